@@ -1,0 +1,1 @@
+"""One runner per artefact; ``run.py`` calls ``experiments.<cfg.experiment.runner>.run(cfg)``."""

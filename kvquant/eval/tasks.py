@@ -1,0 +1,53 @@
+"""Tasks: a small base class and the registry that maps ``task=<name>`` to a class."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvquant.cache import CacheCounts
+from kvquant.registry import Registry, init_params
+
+
+@dataclass
+class TaskResult:
+    """What a task measured: task metrics, fidelity to fp16 (None for fp16 itself), cache counts, timing."""
+
+    metrics: dict[str, float]
+    n: int
+    counts: CacheCounts
+    timing: dict[str, float] = field(default_factory=dict)
+    fidelity: dict[str, float] | None = None
+
+
+class Task(ABC):
+    """A task runs a model with a KV method and returns a ``TaskResult``; it knows nothing about Hydra."""
+
+    name: str = ""
+
+    @abstractmethod
+    def run(self, model, tokenizer, method, reference_method=None, progress: bool = False) -> TaskResult:
+        """Evaluate ``method``; when ``reference_method`` is given, also measure fidelity to it."""
+
+    def params(self) -> dict[str, Any]:
+        return init_params(self)
+
+
+TASKS: Registry[Task] = Registry("task")
+
+
+def register_task(name: str, cls: type[Task], **preset: Any) -> None:
+    TASKS.register(name, cls, **preset)
+
+
+def get_task(name: str, **params: Any) -> Task:
+    import kvquant.eval.tinystories  # noqa: F401  (registers the built-in tasks)
+
+    return TASKS.create(name, **params)
+
+
+def task_names() -> list[str]:
+    import kvquant.eval.tinystories  # noqa: F401
+
+    return TASKS.names()

@@ -1,0 +1,48 @@
+"""Shared fixtures: the bundled models, loaded once per session, offline."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The 61 greedy ids of stories260K from "Once upon a time" (../shared/data/PROVENANCE.md; also
+# kvquant/assets/PROVENANCE.md), reproduced there by an independent NumPy port of llama2.c run.c.
+STORIES260K_REFERENCE_IDS = [
+    1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337,
+    410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266,
+    268, 388, 426, 338, 391, 266, 267, 337, 335, 312, 432, 398, 312, 286, 267, 414, 270, 333, 415,
+]
+
+
+def load_script(name: str):
+    """Import ``scripts/<name>.py`` as a module (scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def stories():
+    from kvquant import load_model
+
+    return load_model("stories260k", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from kvquant import load_model
+
+    return load_model("smollm2_135m", device="cpu")

@@ -1,0 +1,60 @@
+import json
+
+import pytest
+
+from kvquant import results
+
+
+def cfg(**over):
+    base = {"model": {"name": "stories260k"}, "method": {"name": "fp16"}, "task": {"name": "tinystories", "limit": 5},
+            "results_dir": "outputs", "rerun": False, "logger": {"name": "none"}, "progress": True}
+    base.update(over)
+    return base
+
+
+def test_hash_ignores_outputs_rerun_logger_and_tracks_the_rest():
+    h = results.config_hash(cfg())
+    assert h == results.config_hash(cfg(results_dir="elsewhere", rerun=True, logger={"name": "wandb"}, progress=False))
+    assert h != results.config_hash(cfg(task={"name": "tinystories", "limit": 6}))
+    assert h != results.config_hash(cfg(method={"name": "kivi", "bits": 2}))
+
+
+def test_write_is_atomic_and_omits_missing_values(tmp_path):
+    data = {"config": {"model": {"path": None}}, "config_hash": "abc",
+            "metrics": {"ppl": 4.2, "bad": float("nan")}, "fidelity": None, "bits": {"stored": None}}
+    path = results.write_results(tmp_path, data)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    loaded = json.loads(path.read_text())
+    assert loaded == {"config": {"model": {"path": None}}, "config_hash": "abc", "metrics": {"ppl": 4.2}}
+
+
+def test_find_and_collect(tmp_path):
+    for i, name in enumerate(["fp16", "kivi"]):
+        results.write_results(tmp_path / f"run{i}", {"config_hash": f"h{i}", "method": {"name": name},
+                                                     "metrics": {"ppl": 4.0 + i}})
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "results.json").write_text("{not json")
+    assert results.find_results(tmp_path, "h1") == tmp_path / "run1" / "results.json"
+    assert results.find_results(tmp_path, "missing") is None
+    assert results.find_results(tmp_path / "nowhere", "h1") is None
+    table = results.collect(tmp_path)
+    assert list(table["method/name"]) == ["fp16", "kivi"] and list(table["metrics/ppl"]) == [4.0, 5.0]
+
+
+def test_collect_cli_writes_csv(tmp_path, capsys):
+    results.write_results(tmp_path / "r", {"config_hash": "h", "model": {"name": "m"}, "method": {"name": "fp16"},
+                                          "task": {"name": "t"}, "metrics": {"ppl": 3.5}})
+    assert results._main([str(tmp_path), "--csv", str(tmp_path / "all.csv")]) == 0
+    assert "3.5" in capsys.readouterr().out
+    assert (tmp_path / "all.csv").read_text().startswith("path,")
+    assert results._main([str(tmp_path / "empty")]) == 1
+
+
+def test_env_records_versions():
+    env = results.env_info("cpu")
+    assert env["torch"] and env["transformers"] and env["python"] and env["device"] == "cpu"
+
+
+@pytest.mark.parametrize("obj,flat", [({"a": {"b": 1, "c": {"d": 2}}}, {"a/b": 1, "a/c/d": 2}), ({}, {})])
+def test_flatten(obj, flat):
+    assert results.flatten(obj) == flat

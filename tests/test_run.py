@@ -1,0 +1,73 @@
+"""The Hydra entry point, end to end, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+FAST = ["model=stories260k", "logger=none", "progress=false", "task.ppl_pieces=20", "task.max_new_tokens=8"]
+
+
+def run_cli(tmp_path, *args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    flags = [a for a in args if a.startswith("-")]
+    overrides = [a for a in args if not a.startswith("-")]
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *flags, f"results_dir={tmp_path}", *overrides],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def results_files(tmp_path):
+    return sorted(tmp_path.rglob("results.json"))
+
+
+def test_run_writes_results_then_skips_then_reruns(tmp_path):
+    first = run_cli(tmp_path, *FAST, "method=fp16", "task=tinystories", "task.limit=5")
+    assert first.returncode == 0, first.stderr
+    [path] = results_files(tmp_path)
+    data = json.loads(path.read_text())
+    assert data["model"]["name"] == "stories260k" and data["method"] == {"name": "fp16"}
+    assert data["task"]["limit"] == 5 and data["task"]["chunk_size"] == 32
+    assert data["bits"]["stored"] == 16.0 and data["memory"]["kv_bytes"] == data["memory"]["kv_bytes_fp16"]
+    assert 3.0 < data["metrics"]["ppl"] < 6.0
+    assert {"wall_s", "prefill_tok_s", "decode_tok_s"} <= set(data["timing"])
+    assert {"python", "torch", "transformers", "lm_eval", "git_commit", "host"} <= set(data["env"])
+    assert "fidelity" not in data  # fp16 is the reference
+    assert "metrics/ppl" in first.stdout
+
+    again = run_cli(tmp_path, *FAST, "method=fp16", "task=tinystories", "task.limit=5")
+    assert again.returncode == 0 and "skip:" in again.stdout
+    assert len(results_files(tmp_path)) == 1
+
+    forced = run_cli(tmp_path, *FAST, "method=fp16", "task=tinystories", "task.limit=5", "rerun=true")
+    assert forced.returncode == 0 and len(results_files(tmp_path)) == 2
+
+
+def test_unknown_choice_lists_valid_names(tmp_path):
+    proc = run_cli(tmp_path, "method=nope")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: unknown method 'nope'; valid methods: fp16 (conf/method/*.yaml)"
+    proc = run_cli(tmp_path, "model=gpt5")
+    assert proc.returncode == 2 and "valid models: llama2_7b" in proc.stderr
+
+
+def test_bad_parameter_is_one_line(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "+method.bits=3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: method 'fp16': got an unexpected keyword")
+
+
+@pytest.mark.slow
+def test_interrupted_sweep_keeps_finished_runs_and_resumes(tmp_path):
+    # The second job asks for more context than stories260k has, so the sweep stops there.
+    broken = run_cli(tmp_path, "-m", *FAST, "task.limit=1", "task.max_tokens=64,1024")
+    assert broken.returncode != 0 and "context is 512" in broken.stderr
+    [kept] = results_files(tmp_path)
+    assert json.loads(kept.read_text())["task"]["max_tokens"] == 64
+
+    resumed = run_cli(tmp_path, "-m", *FAST, "task.limit=1", "task.max_tokens=64,128")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.count("skip:") == 1
+    assert sorted(json.loads(p.read_text())["task"]["max_tokens"] for p in results_files(tmp_path)) == [64, 128]

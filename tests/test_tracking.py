@@ -1,0 +1,15 @@
+from kvquant.tracking import log_to_wandb
+
+RESULTS = {"config": {"method": {"name": "fp16"}}, "metrics": {"ppl": 4.2}, "bits": {"read": 16.0}}
+
+
+def test_offline_run_is_written_for_wandb_sync(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert log_to_wandb(RESULTS, str(tmp_path), project="kvquant-test")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_failure_warns_and_returns_false(tmp_path, capsys):
+    assert not log_to_wandb(RESULTS, str(tmp_path), mode="not-a-mode")
+    assert "W&B logging failed" in capsys.readouterr().err
