@@ -15,6 +15,7 @@ setup:
 	HF_HUB_OFFLINE=1 $(PY) -m kvquant.models warm stories260k smollm2_135m
 
 test:
+	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint:

@@ -11,7 +11,6 @@ import re
 import sys
 import time
 import warnings
-
 from pathlib import Path
 
 import hydra
@@ -73,8 +72,15 @@ def execute(cfg: DictConfig) -> dict | None:
     if cfg.logger.name == "wandb":
         from kvquant.tracking import log_to_wandb
 
-        log_to_wandb(results, run_dir, project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode,
-                     tags=list(cfg.logger.tags), name=f"{cfg.model.name}-{cfg.method.name}-{cfg.task.name}")
+        log_to_wandb(
+            results,
+            run_dir,
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            mode=cfg.logger.mode,
+            tags=list(cfg.logger.tags),
+            name=f"{cfg.model.name}-{cfg.method.name}-{cfg.task.name}",
+        )
     return results
 
 

@@ -25,8 +25,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     method = get_method(cfg.method.name, **params_of(cfg.method))
     task = get_task(cfg.task.name, **params_of(cfg.task))
     device = resolve_device(cfg.device)
-    model, tokenizer = load_model(cfg.model.path or cfg.model.name, dtype=cfg.model.dtype, device=device,
-                                  device_map=cfg.model.device_map, hub_id=cfg.model.get("hub_id"))
+    model, tokenizer = load_model(
+        cfg.model.path or cfg.model.name,
+        dtype=cfg.model.dtype,
+        device=device,
+        device_map=cfg.model.device_map,
+        hub_id=cfg.model.get("hub_id"),
+    )
     reference = None if cfg.method.name == REFERENCE_METHOD else get_method(REFERENCE_METHOD)
     result = task.run(model, tokenizer, method, reference_method=reference, progress=cfg.progress)
 

@@ -13,9 +13,7 @@ def dataset_file(relative: str) -> Path:
     """Path of a bundled data file, or a one-line error naming it."""
     path = DATASETS / relative
     if not path.is_file():
-        raise KvquantError(
-            f"data file not found: {path}; it ships with the repository (restore it with git checkout)"
-        )
+        raise KvquantError(f"data file not found: {path}; it ships with the repository (restore it with git checkout)")
     return path
 
 

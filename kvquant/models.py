@@ -88,7 +88,9 @@ def _permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def convert_llama2c(checkpoint: str | os.PathLike, tokenizer_model: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def convert_llama2c(
+    checkpoint: str | os.PathLike, tokenizer_model: str | os.PathLike, out_dir: str | os.PathLike
+) -> Path:
     """Convert a llama2.c legacy (v0) checkpoint + SentencePiece model into a HF Llama folder.
 
     The k projection is permuted with the KV-head count (a wrong count still loads and silently
@@ -249,8 +251,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if dtype in (None, "auto"):
         return torch.float16 if device.startswith("cuda") else torch.float32
     try:
-        return {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[dtype]
+        return {
+            "float16": torch.float16,
+            "fp16": torch.float16,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float32": torch.float32,
+            "fp32": torch.float32,
+        }[dtype]
     except KeyError:
         raise ModelUnavailableError(f"unknown dtype '{dtype}'; use auto, float16, bfloat16 or float32") from None
 

@@ -80,8 +80,13 @@ def git_commit(path: str | os.PathLike | None = None) -> str | None:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
         if sha.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return sha.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -133,9 +138,12 @@ def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvquant.results", description="Collect results.json files.")
     parser.add_argument("root", nargs="?", default="outputs", help="folder to search (default: outputs)")
     parser.add_argument("--csv", help="also write the table to this CSV file")
-    parser.add_argument("--columns", default="model/name,method/name,task/name,metrics/ppl,fidelity/greedy_match,"
-                        "fidelity/kl,bits/stored,bits/read,timing/decode_tok_s",
-                        help="comma-separated columns to print ('all' for every column)")
+    parser.add_argument(
+        "--columns",
+        default="model/name,method/name,task/name,metrics/ppl,fidelity/greedy_match,"
+        "fidelity/kl,bits/stored,bits/read,timing/decode_tok_s",
+        help="comma-separated columns to print ('all' for every column)",
+    )
     args = parser.parse_args(argv)
     table = collect(args.root)
     if table.empty:

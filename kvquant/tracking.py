@@ -9,8 +9,15 @@ from typing import Any
 from kvquant.results import flatten
 
 
-def log_to_wandb(results: dict[str, Any], run_dir: str, project: str = "kvquant", entity: str | None = None,
-                 mode: str | None = None, tags: list[str] | None = None, name: str | None = None) -> bool:
+def log_to_wandb(
+    results: dict[str, Any],
+    run_dir: str,
+    project: str = "kvquant",
+    entity: str | None = None,
+    mode: str | None = None,
+    tags: list[str] | None = None,
+    name: str | None = None,
+) -> bool:
     """Log config, metrics and a one-row results table; return False (with a warning) on any failure.
 
     ``mode`` defaults to ``WANDB_MODE`` if the user set it, else ``offline`` (sync later with
@@ -20,16 +27,29 @@ def log_to_wandb(results: dict[str, Any], run_dir: str, project: str = "kvquant"
         import wandb
 
         mode = mode or os.environ.get("WANDB_MODE") or "offline"
-        run = wandb.init(project=project, entity=entity, mode=mode, dir=run_dir, name=name, tags=tags,
-                         config=results.get("config", {}), reinit="finish_previous")
-        flat = {k: v for k, v in flatten({k: v for k, v in results.items() if k != "config"}).items()
-                if isinstance(v, (int, float, str, bool))}
+        run = wandb.init(
+            project=project,
+            entity=entity,
+            mode=mode,
+            dir=run_dir,
+            name=name,
+            tags=tags,
+            config=results.get("config", {}),
+            reinit="finish_previous",
+        )
+        flat = {
+            k: v
+            for k, v in flatten({k: v for k, v in results.items() if k != "config"}).items()
+            if isinstance(v, (int, float, str, bool))
+        }
         run.summary.update(flat)
         run.log({k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         run.log({"results": wandb.Table(columns=list(flat), data=[list(flat.values())])})
         run.finish()
         return True
     except Exception as exc:  # W&B must never cost the local results
-        print(f"warning: W&B logging failed ({type(exc).__name__}: {exc}); local results are kept in {run_dir}",
-              file=sys.stderr)
+        print(
+            f"warning: W&B logging failed ({type(exc).__name__}: {exc}); local results are kept in {run_dir}",
+            file=sys.stderr,
+        )
         return False

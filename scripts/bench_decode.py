@@ -4,9 +4,10 @@
     python scripts/bench_decode.py                       # fp16 + HF DynamicCache on both bundled models
     python scripts/bench_decode.py --methods fp16 --models smollm2_135m --contexts 2048
 
-For each model and context length: prefill the context (real TinyStories text) in one forward, then
-decode ``--new-tokens`` greedy tokens (a context past the model's limit is clamped to fit); medians over ``--repeats`` after one warm-up. ``hf_dynamic``
-is transformers' own DynamicCache in the model's dtype: the cost of the framework's fp16 store.
+For each model and context length: prefill the context (real TinyStories text) in one forward,
+then decode ``--new-tokens`` greedy tokens (a context past the model's limit is clamped to fit);
+medians over ``--repeats`` after one warm-up. ``hf_dynamic`` is transformers' own DynamicCache in
+the model's dtype: the cost of the framework's fp16 store.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import statistics
 import sys
 import warnings
+from functools import partial
 
 import torch
 from transformers import DynamicCache
@@ -70,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             fitting = sorted({min(c, limit - args.new_tokens) for c in asked})
             for ctx in fitting:
                 prompt = context_ids(tokenizer, ctx)
-                rows = {m: measure(model, prompt, lambda m=m: get_method(m).new_cache(model), args.new_tokens,
-                                   args.repeats) for m in methods}
+                rows = {}
+                for name in methods:
+                    method = get_method(name)
+                    rows[name] = measure(model, prompt, partial(method.new_cache, model), args.new_tokens, args.repeats)
                 rows["hf_dynamic"] = measure(model, prompt, DynamicCache, args.new_tokens, args.repeats)
                 base = rows[BASELINE][1]
                 for name, (prefill, decode) in rows.items():

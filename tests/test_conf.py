@@ -19,6 +19,10 @@ def test_group_files_match_registries(group, known):
 def test_default_config_composes_with_smollm2_and_wandb():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config")
-    assert (cfg.model.name, cfg.method.name, cfg.task.name, cfg.logger.name) == ("smollm2_135m", "fp16", "tinystories",
-                                                                                "wandb")
+    assert (cfg.model.name, cfg.method.name, cfg.task.name, cfg.logger.name) == (
+        "smollm2_135m",
+        "fp16",
+        "tinystories",
+        "wandb",
+    )
     assert cfg.task.chunk_size == 32 and cfg.experiment.runner == "evaluate"

@@ -7,7 +7,9 @@ from kvquant.models import STORIES260K_DIR, load_model
 def test_script_output_loads_and_equals_bundled_conversion(tmp_path, stories, capsys):
     convert = load_script("convert_llama2c")
     out = tmp_path / "hf"
-    assert convert.main([str(STORIES260K_DIR / "stories260K.bin"), str(STORIES260K_DIR / "tok512.model"), str(out)]) == 0
+    assert (
+        convert.main([str(STORIES260K_DIR / "stories260K.bin"), str(STORIES260K_DIR / "tok512.model"), str(out)]) == 0
+    )
     model, tok = load_model(str(out), device="cpu")
     ids = tok("Once upon a time", return_tensors="pt").input_ids
     with torch.no_grad():

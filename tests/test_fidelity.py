@@ -28,8 +28,13 @@ def test_fp16_against_itself_is_perfect(stories):
     fp16 = get_method("fp16")
     run = compare_to_reference(model, prompts(tok), lambda: fp16.new_cache(model), lambda: fp16.new_cache(model), 24)
     s = run.summary()
-    assert s == {"greedy_match": 1.0, "first_divergence": 24.0, "prompts_identical": 1.0, "kl": 0.0,
-                 "top1_agreement": 1.0}
+    assert s == {
+        "greedy_match": 1.0,
+        "first_divergence": 24.0,
+        "prompts_identical": 1.0,
+        "kl": 0.0,
+        "top1_agreement": 1.0,
+    }
 
 
 def test_lossy_cache_is_detected(stories):
@@ -61,5 +66,7 @@ def test_kl_is_nonnegative_and_zero_on_identity(vocab, seed):
     assert (kl_divergence(p, q) >= 0).all()
     assert torch.allclose(kl_divergence(p, p), torch.zeros(3))
     assert kl_divergence(p, q).sum() > 0
-    assert pytest.approx(kl_divergence(p, q)[0].item(), rel=1e-4) == torch.nn.functional.kl_div(
-        q[0], p[0], log_target=True, reduction="sum").item()
+    assert (
+        pytest.approx(kl_divergence(p, q)[0].item(), rel=1e-4)
+        == torch.nn.functional.kl_div(q[0], p[0], log_target=True, reduction="sum").item()
+    )

@@ -93,4 +93,4 @@ def test_smollm2_is_gqa_and_answers_offline(smollm2):
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])

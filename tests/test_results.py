@@ -6,8 +6,15 @@ from kvquant import results
 
 
 def cfg(**over):
-    base = {"model": {"name": "stories260k"}, "method": {"name": "fp16"}, "task": {"name": "tinystories", "limit": 5},
-            "results_dir": "outputs", "rerun": False, "logger": {"name": "none"}, "progress": True}
+    base = {
+        "model": {"name": "stories260k"},
+        "method": {"name": "fp16"},
+        "task": {"name": "tinystories", "limit": 5},
+        "results_dir": "outputs",
+        "rerun": False,
+        "logger": {"name": "none"},
+        "progress": True,
+    }
     base.update(over)
     return base
 
@@ -20,8 +27,13 @@ def test_hash_ignores_outputs_rerun_logger_and_tracks_the_rest():
 
 
 def test_write_is_atomic_and_omits_missing_values(tmp_path):
-    data = {"config": {"model": {"path": None}}, "config_hash": "abc",
-            "metrics": {"ppl": 4.2, "bad": float("nan")}, "fidelity": None, "bits": {"stored": None}}
+    data = {
+        "config": {"model": {"path": None}},
+        "config_hash": "abc",
+        "metrics": {"ppl": 4.2, "bad": float("nan")},
+        "fidelity": None,
+        "bits": {"stored": None},
+    }
     path = results.write_results(tmp_path, data)
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
     loaded = json.loads(path.read_text())
@@ -30,8 +42,9 @@ def test_write_is_atomic_and_omits_missing_values(tmp_path):
 
 def test_find_and_collect(tmp_path):
     for i, name in enumerate(["fp16", "kivi"]):
-        results.write_results(tmp_path / f"run{i}", {"config_hash": f"h{i}", "method": {"name": name},
-                                                     "metrics": {"ppl": 4.0 + i}})
+        results.write_results(
+            tmp_path / f"run{i}", {"config_hash": f"h{i}", "method": {"name": name}, "metrics": {"ppl": 4.0 + i}}
+        )
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "results.json").write_text("{not json")
     assert results.find_results(tmp_path, "h1") == tmp_path / "run1" / "results.json"
@@ -42,8 +55,16 @@ def test_find_and_collect(tmp_path):
 
 
 def test_collect_cli_writes_csv(tmp_path, capsys):
-    results.write_results(tmp_path / "r", {"config_hash": "h", "model": {"name": "m"}, "method": {"name": "fp16"},
-                                          "task": {"name": "t"}, "metrics": {"ppl": 3.5}})
+    results.write_results(
+        tmp_path / "r",
+        {
+            "config_hash": "h",
+            "model": {"name": "m"},
+            "method": {"name": "fp16"},
+            "task": {"name": "t"},
+            "metrics": {"ppl": 3.5},
+        },
+    )
     assert results._main([str(tmp_path), "--csv", str(tmp_path / "all.csv")]) == 0
     assert "3.5" in capsys.readouterr().out
     assert (tmp_path / "all.csv").read_text().startswith("path,")

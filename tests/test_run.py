@@ -15,8 +15,14 @@ def run_cli(tmp_path, *args):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *flags, f"results_dir={tmp_path}", *overrides],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *flags, f"results_dir={tmp_path}", *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def results_files(tmp_path):

@@ -45,19 +45,31 @@ class TinyStoriesTask(Task):
     ):
         if source != "bundled":
             raise InvalidParameterError(f"task tinystories: source '{source}' is not offered; use source=bundled")
-        for key, value in [("limit", limit), ("ppl_pieces", ppl_pieces), ("chunk_size", chunk_size),
-                           ("max_tokens", max_tokens), ("prompt_tokens", prompt_tokens),
-                           ("max_new_tokens", max_new_tokens)]:
+        for key, value in [
+            ("limit", limit),
+            ("ppl_pieces", ppl_pieces),
+            ("chunk_size", chunk_size),
+            ("max_tokens", max_tokens),
+            ("prompt_tokens", prompt_tokens),
+            ("max_new_tokens", max_new_tokens),
+        ]:
             if int(value) < (0 if key in ("limit", "ppl_pieces") else 1):
                 raise InvalidParameterError(f"task tinystories: {key}={value} must be positive")
         self.limit, self.ppl_pieces, self.chunk_size = int(limit), int(ppl_pieces), int(chunk_size)
-        self.max_tokens, self.prompt_tokens, self.max_new_tokens = int(max_tokens), int(prompt_tokens), int(max_new_tokens)
+        self.max_tokens, self.prompt_tokens, self.max_new_tokens = (
+            int(max_tokens),
+            int(prompt_tokens),
+            int(max_new_tokens),
+        )
         self.source = source
 
     def run(self, model, tokenizer, method, reference_method=None, progress: bool = False) -> TaskResult:
         check_context(model, self.max_tokens, f"task.max_tokens={self.max_tokens}")
-        check_context(model, self.prompt_tokens + self.max_new_tokens,
-                      f"task.prompt_tokens+task.max_new_tokens={self.prompt_tokens}+{self.max_new_tokens}")
+        check_context(
+            model,
+            self.prompt_tokens + self.max_new_tokens,
+            f"task.prompt_tokens+task.max_new_tokens={self.prompt_tokens}+{self.max_new_tokens}",
+        )
         pieces = tinystories_pieces()
         if max(self.ppl_pieces, self.limit) > len(pieces):
             raise InvalidParameterError(f"task tinystories has {len(pieces)} stories; lower limit/ppl_pieces")
@@ -73,13 +85,20 @@ class TinyStoriesTask(Task):
                 bar.update(1)
             fidelity = None
         else:
-            run = compare_to_reference(model, prompts, lambda: method.new_cache(model),
-                                       lambda: reference_method.new_cache(model), self.max_new_tokens, bar.update)
+            run = compare_to_reference(
+                model,
+                prompts,
+                lambda: method.new_cache(model),
+                lambda: reference_method.new_cache(model),
+                self.max_new_tokens,
+                bar.update,
+            )
             decodes, fidelity = run.decodes, run.summary()
         bar.close()
         counts = sum((d.counts for d in decodes), start=CacheCounts())
-        return TaskResult(metrics=metrics, n=len(sequences), counts=counts, timing=decode_timing(decodes),
-                          fidelity=fidelity)
+        return TaskResult(
+            metrics=metrics, n=len(sequences), counts=counts, timing=decode_timing(decodes), fidelity=fidelity
+        )
 
 
 register_task("tinystories", TinyStoriesTask)
