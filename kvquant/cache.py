@@ -7,8 +7,10 @@ Bytes are measured from the tensors a layer actually holds, never from a formula
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -16,36 +18,77 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 @dataclass
 class CacheCounts:
-    """Raw totals that add across layers and caches; ``summary()`` turns them into per-element bits."""
+    """Raw totals that add across layers and caches; ``summary()`` turns them into per-element bits.
+
+    ``read_k``/``read_v`` map a bit width to how many elements were read at that width (one entry,
+    16, for fp16); ``by_position`` maps a sequence length to ``[bits_k, elements_k, bits_v, elements_v]``
+    read at the step that reached it, for bits-vs-position curves.
+    """
 
     elements_k: int = 0
     elements_v: int = 0
     bytes_k: int = 0
     bytes_v: int = 0
-    read_elements_k: int = 0
-    read_elements_v: int = 0
-    read_bits_k: float = 0.0
-    read_bits_v: float = 0.0
+    read_k: Counter = field(default_factory=Counter)
+    read_v: Counter = field(default_factory=Counter)
+    by_position: dict[int, list[float]] = field(default_factory=dict)
 
     def __add__(self, other: CacheCounts) -> CacheCounts:
-        return CacheCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        positions = {p: list(v) for p, v in self.by_position.items()}
+        for p, v in other.by_position.items():
+            positions[p] = [a + b for a, b in zip(positions.get(p, [0.0] * 4), v, strict=True)]
+        return CacheCounts(
+            self.elements_k + other.elements_k,
+            self.elements_v + other.elements_v,
+            self.bytes_k + other.bytes_k,
+            self.bytes_v + other.bytes_v,
+            self.read_k + other.read_k,
+            self.read_v + other.read_v,
+            positions,
+        )
 
-    def summary(self) -> dict[str, float]:
+    def add_read(self, read_k: dict[int, int], read_v: dict[int, int], position: int | None = None) -> None:
+        """Record one attention read: element counts per bit width, for K and for V."""
+        self.read_k.update(read_k)
+        self.read_v.update(read_v)
+        if position is not None:
+            row = self.by_position.setdefault(position, [0.0] * 4)
+            row[0] += sum(w * n for w, n in read_k.items())
+            row[1] += sum(read_k.values())
+            row[2] += sum(w * n for w, n in read_v.items())
+            row[3] += sum(read_v.values())
+
+    def summary(self) -> dict[str, Any]:
         def ratio(a: float, b: float) -> float:
             return float(a) / b if b else float("nan")
 
+        def bits(hist: Counter) -> float:
+            return float(sum(w * n for w, n in hist.items()))
+
         elements = self.elements_k + self.elements_v
-        read = self.read_elements_k + self.read_elements_v
+        nk, nv = sum(self.read_k.values()), sum(self.read_v.values())
         return {
             "bits_stored": ratio(8 * (self.bytes_k + self.bytes_v), elements),
             "bits_stored_k": ratio(8 * self.bytes_k, self.elements_k),
             "bits_stored_v": ratio(8 * self.bytes_v, self.elements_v),
-            "bits_read": ratio(self.read_bits_k + self.read_bits_v, read),
-            "bits_read_k": ratio(self.read_bits_k, self.read_elements_k),
-            "bits_read_v": ratio(self.read_bits_v, self.read_elements_v),
+            "bits_read": ratio(bits(self.read_k) + bits(self.read_v), nk + nv),
+            "bits_read_k": ratio(bits(self.read_k), nk),
+            "bits_read_v": ratio(bits(self.read_v), nv),
+            "widths_k": {int(w): n / nk for w, n in sorted(self.read_k.items())},
+            "widths_v": {int(w): n / nv for w, n in sorted(self.read_v.items())},
             "bytes": self.bytes_k + self.bytes_v,
             "bytes_fp16": 2 * elements,
             "elements": elements,
+        }
+
+    def position_series(self) -> dict[str, list[float]]:
+        """Mean bits read per element at each sequence length (K, V, both)."""
+        rows = sorted(self.by_position.items())
+        return {
+            "position": [p for p, _ in rows],
+            "bits_read_k": [r[0] / r[1] if r[1] else float("nan") for _, r in rows],
+            "bits_read_v": [r[2] / r[3] if r[3] else float("nan") for _, r in rows],
+            "bits_read": [(r[0] + r[2]) / (r[1] + r[3]) if r[1] + r[3] else float("nan") for _, r in rows],
         }
 
 
@@ -73,12 +116,9 @@ class KVLayer(DynamicLayer):
             return 0, 0
         return self.keys.numel(), self.values.numel()
 
-    def count_read(self, elements_k: int, bits_k: float, elements_v: int, bits_v: float) -> None:
-        """Record one attention read: ``bits_*`` is the total number of bits loaded."""
-        self._reads.read_elements_k += elements_k
-        self._reads.read_bits_k += bits_k
-        self._reads.read_elements_v += elements_v
-        self._reads.read_bits_v += bits_v
+    def count_read(self, read_k: dict[int, int], read_v: dict[int, int], position: int | None = None) -> None:
+        """Record one attention read as element counts per bit width (e.g. ``{16: n}`` for fp16)."""
+        self._reads.add_read(read_k, read_v, position)
 
     def counts(self) -> CacheCounts:
         ek, ev = self.logical_elements()

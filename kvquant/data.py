@@ -21,3 +21,8 @@ def tinystories_pieces() -> list[str]:
     """TinyStories validation stories, split on blank lines (4,300 pieces)."""
     text = dataset_file("tinystories/tinystories_val.txt").read_text(encoding="utf-8")
     return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def wikitext2_test() -> str:
+    """WikiText-2 (raw) test split as the usual perplexity string ``"\\n\\n".join(rows)`` (LF line ends)."""
+    return dataset_file("wikitext-2/wikitext-test.txt").read_text(encoding="utf-8").replace("\r\n", "\n")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from typing import Any, Generic, TypeVar
 
 from kvquant.errors import InvalidParameterError, UnknownNameError
@@ -14,6 +16,13 @@ def init_params(obj: object) -> dict[str, Any]:
     """The constructor parameters of ``obj`` with their current values (what results.json records)."""
     sig = inspect.signature(type(obj).__init__)
     return {p: getattr(obj, p) for p in sig.parameters if p != "self"}
+
+
+def import_submodules(package: str) -> None:
+    """Import every module of ``package`` so that each registers itself (no central list to edit)."""
+    pkg = importlib.import_module(package)
+    for info in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{package}.{info.name}")
 
 
 class Registry(Generic[T]):

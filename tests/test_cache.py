@@ -7,15 +7,24 @@ from kvquant.methods.fp16 import Fp16Layer
 
 
 def test_counts_add_fieldwise_and_summarise_per_element():
-    a = CacheCounts(elements_k=10, elements_v=10, bytes_k=5, bytes_v=20, read_elements_k=10, read_bits_k=40)
-    b = CacheCounts(elements_k=30, elements_v=30, bytes_k=15, bytes_v=60, read_elements_v=40, read_bits_v=640)
+    a = CacheCounts(elements_k=10, elements_v=10, bytes_k=5, bytes_v=20)
+    a.add_read({8: 6, 16: 4}, {}, position=3)
+    b = CacheCounts(elements_k=30, elements_v=30, bytes_k=15, bytes_v=60)
+    b.add_read({}, {16: 40}, position=3)
+    b.add_read({12: 10}, {12: 10}, position=4)
     s = (a + b).summary()
     assert s["bits_stored_k"] == 8 * 20 / 40 == 4.0
     assert s["bits_stored_v"] == 8 * 80 / 40 == 16.0
     assert s["bits_stored"] == 10.0
-    assert s["bits_read_k"] == 4.0 and s["bits_read_v"] == 16.0
-    assert s["bits_read"] == (40 + 640) / 50
+    assert s["bits_read_k"] == (48 + 64 + 120) / 20
+    assert s["bits_read_v"] == (640 + 120) / 50
+    assert s["bits_read"] == (48 + 64 + 120 + 640 + 120) / 70
+    assert s["widths_k"] == {8: 0.3, 12: 0.5, 16: 0.2} and s["widths_v"] == {12: 0.2, 16: 0.8}
     assert s["bytes"] == 100 and s["bytes_fp16"] == 160
+    series = (a + b).position_series()
+    assert series["position"] == [3, 4]
+    assert series["bits_read_k"] == [112 / 10, 12.0] and series["bits_read_v"] == [16.0, 12.0]
+    assert a.summary()["bits_read_k"] == 11.2  # adding did not mutate the operands
 
 
 def test_empty_counts_give_nan_not_zero():

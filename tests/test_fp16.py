@@ -47,7 +47,7 @@ def test_fp16_layer_stores_half_and_returns_rounded_history(chunks, heads, dim, 
     assert counts.bytes_k == counts.bytes_v == 2 * total
     # every update reads the whole history at 16 bits
     read = heads * dim * sum(sum(chunks[: i + 1]) for i in range(len(chunks)))
-    assert counts.read_elements_k == read and counts.read_bits_k == 16 * read
+    assert counts.read_k == {16: read} and counts.read_v == {16: read}
 
 
 def test_fp16_reports_analytic_bits_and_no_params():

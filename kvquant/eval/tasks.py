@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvquant.cache import CacheCounts
-from kvquant.registry import Registry, init_params
+from kvquant.registry import Registry, import_submodules, init_params
 
 
 @dataclass
@@ -42,12 +42,10 @@ def register_task(name: str, cls: type[Task], **preset: Any) -> None:
 
 
 def get_task(name: str, **params: Any) -> Task:
-    import kvquant.eval.tinystories  # noqa: F401  (registers the built-in tasks)
-
+    import_submodules("kvquant.eval")
     return TASKS.create(name, **params)
 
 
 def task_names() -> list[str]:
-    import kvquant.eval.tinystories  # noqa: F401
-
+    import_submodules("kvquant.eval")
     return TASKS.names()

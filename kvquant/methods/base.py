@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from kvquant.cache import KVCache, KVLayer
-from kvquant.registry import Registry, init_params
+from kvquant.registry import Registry, import_submodules, init_params
 
 
 class KVMethod(ABC):
@@ -52,12 +52,10 @@ def register_method(name: str, cls: type[KVMethod], **preset: Any) -> None:
 
 def get_method(name: str, **params: Any) -> KVMethod:
     """Build the method registered as ``name`` with ``params`` overriding its preset."""
-    import kvquant.methods  # noqa: F401  (registers the built-in methods)
-
+    import_submodules("kvquant.methods")
     return METHODS.create(name, **params)
 
 
 def method_names() -> list[str]:
-    import kvquant.methods  # noqa: F401
-
+    import_submodules("kvquant.methods")
     return METHODS.names()

@@ -23,7 +23,7 @@ class Fp16Layer(KVLayer):
             )
         self.keys = torch.cat([self.keys, key_states.to(torch.float16)], dim=-2)
         self.values = torch.cat([self.values, value_states.to(torch.float16)], dim=-2)
-        self.count_read(self.keys.numel(), 16.0 * self.keys.numel(), self.values.numel(), 16.0 * self.values.numel())
+        self.count_read({16: self.keys.numel()}, {16: self.values.numel()})
         return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
 
 

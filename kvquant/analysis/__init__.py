@@ -1,0 +1,1 @@
+"""Analysis helpers: capturing real K/V, bit-width statistics, relative-error buckets, timing."""
