@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvquant.errors import KvquantError
+
 
 @dataclass
 class CacheCounts:
@@ -92,6 +94,21 @@ class CacheCounts:
         }
 
 
+FP16_MAX = 65504.0
+
+
+def to_fp16_checked(x: torch.Tensor, layer_idx: int | None, what: str) -> torch.Tensor:
+    """Cast K or V to fp16, refusing NaN and values outside fp16's range instead of storing inf."""
+    bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)
+    if bool(bad.any()):
+        n_nan = int(torch.isnan(x).sum())
+        raise KvquantError(
+            f"layer {layer_idx}: {int(bad.sum())} {what} values are NaN/inf or outside fp16's range "
+            f"(±{FP16_MAX:g}; {n_nan} NaN) and cannot be stored as fp16"
+        )
+    return x.to(torch.float16)
+
+
 def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -99,8 +116,9 @@ def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
 class KVLayer(DynamicLayer):
     """One layer's store. Subclasses implement ``update`` and name the tensors they hold."""
 
-    def __init__(self) -> None:
+    def __init__(self, layer_idx: int | None = None) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self._reads = CacheCounts()
 
     def stored_k(self) -> list[torch.Tensor | None]:

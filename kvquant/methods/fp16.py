@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvquant.cache import KVLayer
+from kvquant.cache import KVLayer, to_fp16_checked
 from kvquant.methods.base import KVMethod, register_method
 
 
@@ -21,10 +21,14 @@ class Fp16Layer(KVLayer):
             self.values = value_states.new_empty(
                 (*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=torch.float16
             )
-        self.keys = torch.cat([self.keys, key_states.to(torch.float16)], dim=-2)
-        self.values = torch.cat([self.values, value_states.to(torch.float16)], dim=-2)
+        self.keys = torch.cat([self.keys, to_fp16_checked(key_states, self.layer_idx, "key")], dim=-2)
+        self.values = torch.cat([self.values, to_fp16_checked(value_states, self.layer_idx, "value")], dim=-2)
+        return self.read(key_states.dtype)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention gets: the whole history, read at 16 bits."""
         self.count_read({16: self.keys.numel()}, {16: self.values.numel()})
-        return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
+        return self.keys.to(dtype), self.values.to(dtype)
 
 
 class Fp16Method(KVMethod):
@@ -34,7 +38,7 @@ class Fp16Method(KVMethod):
         pass
 
     def new_layer(self, layer_idx: int, model_config) -> Fp16Layer:
-        return Fp16Layer()
+        return Fp16Layer(layer_idx)
 
     def analytic_bits(self) -> float:
         return 16.0
