@@ -1,0 +1,153 @@
+"""The precision-alignment rules and the plane layout (kvquant/alignment.py)."""
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from kvquant import bits
+from kvquant.alignment import (
+    BLOCK,
+    PlaneStore,
+    check_thresholds,
+    key_widths,
+    strided_topk_indices,
+    value_widths,
+    widths_from_gap,
+)
+from kvquant.errors import InvalidParameterError
+
+T = (4.0, 8.0)
+INF = (float("inf"), float("inf"))
+
+
+def rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_widths_from_gap_tiers():
+    gap = torch.tensor([0, 3.9, 4, 7, 8, 100])
+    assert widths_from_gap(gap, T).tolist() == [16, 16, 12, 12, 8, 8]
+
+
+def test_key_rule_by_hand():
+    # one KV head, 3 channels: P = e(|q|) + e(colmax) = [3+2, 0+1, -3+0] -> gaps [0, 4, 8]
+    q = torch.tensor([[[[8.0, 1.0, 0.125]]]])
+    absmax = torch.tensor([[[4.0, 2.0, 1.0]]], dtype=torch.float16)
+    assert key_widths(q, absmax, T).tolist() == [[[16, 12, 8]]]
+
+
+def test_key_rule_gqa_uses_max_q_of_the_group():
+    q = torch.zeros(1, 2, 1, 2)
+    q[0, 0, 0] = torch.tensor([1.0, 2**-9])
+    q[0, 1, 0] = torch.tensor([2**-9, 1.0])  # second query head needs channel 1
+    absmax = torch.ones(1, 1, 2, dtype=torch.float16)
+    assert key_widths(q, absmax, T).tolist() == [[[16, 16]]]
+    assert key_widths(q[:, :1], absmax, T).tolist() == [[[16, 8]]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), channel=st.integers(0, 15), factor=st.floats(1.0, 1e4))
+def test_raising_q_never_lowers_that_channels_width(seed, channel, factor):
+    q = rand(1, 4, 1, 16, seed=seed)
+    absmax = rand(1, 2, 16, seed=seed + 1).abs().half() + 0.01
+    before = key_widths(q, absmax, T)
+    q2 = q.clone()
+    q2[..., channel] *= factor
+    after = key_widths(q2, absmax, T)
+    assert (after[..., channel] >= before[..., channel]).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(1e-3, 1e3))
+def test_channel_with_largest_p_reads_16(seed, scale):
+    q = rand(2, 3, 1, 8, seed=seed, scale=scale)
+    absmax = (rand(2, 3, 8, seed=seed + 7).abs() * scale).half() + 1e-3
+    p = bits.floor_log2(q.abs().amax(2)) + bits.floor_log2(absmax)
+    widths = key_widths(q, absmax, T)
+    top = p.argmax(-1, keepdim=True)
+    assert (widths.gather(-1, top) == 16).all()
+    assert set(widths.unique().tolist()) <= {8, 12, 16}
+
+
+def test_infinite_thresholds_read_everything():
+    q, absmax = rand(1, 2, 1, 8), rand(1, 1, 8).abs().half()
+    assert (key_widths(q, absmax, INF) == 16).all()
+    scores = torch.softmax(rand(1, 2, 1, 100) * 5, -1)
+    scores[..., :10] = 0.0
+    v_high = bits.split_planes(rand(1, 1, 100, 8).half())[0]
+    assert (value_widths(scores, v_high, INF) == 16).all()
+
+
+def test_value_rule_small_scores_read_fewer_bits():
+    n, d = 200, 8
+    v = torch.ones(1, 1, n, d)
+    logits = torch.zeros(1, 1, 1, n)
+    logits[..., 0] = 20.0  # one dominant token
+    logits[..., 1] = 20.0 - 6 * 0.693  # 2^-6 of it: gap ≈ 6 -> 12 bits
+    scores = torch.softmax(logits, -1)
+    widths = value_widths(scores, bits.split_planes(v.half())[0], T)
+    assert widths[0, 0, 0] == 16 and widths[0, 0, 1] == 12
+    assert (widths[0, 0, 2:] == 8).all()  # scores ~e^-20 of the top
+
+
+def test_value_rule_needs_alignment_in_every_channel():
+    # token 1 is small in channel 0 but as large as the output in channel 1 -> must read 16
+    v = torch.tensor([[[[1.0, 2**-12], [2**-12, 1.0]]]])
+    scores = torch.tensor([[[[0.999, 0.001]]]])
+    v_high = bits.split_planes(v.half())[0]
+    widths = value_widths(scores, v_high, T)
+    assert widths.tolist() == [[[16, 16]]]  # O_est[1] ≈ 0.001: token 1 is the output in channel 1
+
+
+def test_strided_topk():
+    s = torch.tensor([[5.0, 1, 2, 9, 3, 4, 0, 8]])
+    assert strided_topk_indices(s, 2).tolist() == [[0, 3]]
+    assert strided_topk_indices(s, 3).tolist() == [[3, 7, 5]]  # groups {0,3,6} {1,4,7} {2,5}
+    assert strided_topk_indices(s[:, :2], 4).tolist() == [[0, 1]]
+
+
+def test_thresholds_validation():
+    assert check_thresholds([4, 8], "k") == (4.0, 8.0)
+    for bad in ([8, 4], [0, 4], [4], [-1, 2]):
+        with pytest.raises(InvalidParameterError, match="increasing positive"):
+            check_thresholds(bad, "k")
+
+
+@pytest.mark.parametrize("chunks", [[200], [1] * 70, [63, 1, 64, 2], [130, 1, 1]])
+def test_plane_store_layout_and_round_trip(chunks):
+    b, h, d = 2, 3, 8
+    store = PlaneStore()
+    ks, vs = [], []
+    for i, n in enumerate(chunks):
+        k, v = rand(b, h, n, d, seed=i).half(), rand(b, h, n, d, seed=100 + i).half()
+        ks.append(k)
+        vs.append(v)
+        store.append(k, v)
+    k_all, v_all = torch.cat(ks, 2), torch.cat(vs, 2)
+    total = k_all.shape[2]
+    full = total // BLOCK * BLOCK
+    assert store.n_tokens == total and store.n_full == full and store.tail_k.shape[2] == total - full
+    assert torch.equal(store.read_keys(16), k_all) and torch.equal(store.read_values(16), v_all)
+    assert torch.equal(store.k_absmax, k_all.abs().amax(2))
+    if full:
+        assert store.k_a.shape == (b, h, full // BLOCK, d, BLOCK) and store.k_b.shape[-1] == BLOCK // 2
+        assert store.v_a.shape == (b, h, full, d) and store.v_b.shape == (b, h, full, d // 2)
+        # channel-major: one channel of one block is 64 consecutive tokens
+        assert torch.equal(store.k_a[0, 0, 0, 5], (bits.fp16_bits(k_all[0, 0, :BLOCK, 5]) >> 8).to(torch.uint8))
+        wk = torch.randint(0, 3, (b, h, d)).mul(4).add(8)
+        expected = torch.cat([bits.truncate(k_all[:, :, :full], wk[:, :, None, :]), k_all[:, :, full:]], 2)
+        assert torch.equal(store.read_keys(wk), expected)
+        wv = torch.randint(0, 3, (b, h, full)).mul(4).add(8)
+        expected_v = torch.cat([bits.truncate(v_all[:, :, :full], wv[..., None]), v_all[:, :, full:]], 2)
+        assert torch.equal(store.read_values(wv), expected_v)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 300), seed=st.integers(0, 1000))
+def test_value_widths_are_valid_for_any_length(n, seed):
+    scores = torch.softmax(rand(1, 4, 1, n, seed=seed) * 4, -1)
+    v_high = bits.split_planes(rand(1, 2, n, 4, seed=seed + 1).half())[0]
+    w = value_widths(scores, v_high, T, topk=32)
+    assume(n > 0)
+    assert w.shape == (1, 2, n) and set(w.unique().tolist()) <= {8, 12, 16}
