@@ -117,33 +117,48 @@ def value_widths(
     return widths_from_gap(gap, thresholds)
 
 
-LOW_MASK = {8: 0x00, 12: 0xF0, 16: 0xFF}
-LOW_FILL = {8: 0x80, 12: 0x08, 16: 0x00}
+def _i32(x: int) -> int:
+    """An unsigned 32-bit pattern as the signed int torch's int32 ops take."""
+    return x - (1 << 32) if x >= 1 << 31 else x
 
 
-def _mask_fill(widths: torch.Tensor | int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-element low-byte mask and fill for reads of 8/12/16 bits."""
+MASK32 = {8: 0, 12: _i32(0xF0F0F0F0), 16: -1}
+FILL32 = {8: _i32(0x80808080), 12: 0x08080808, 16: 0}
+
+
+def _mask_fill32(widths: torch.Tensor | int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low-byte keep mask and ``1000…`` fill for 8/12/16-bit reads, replicated over the 4 bytes of an int32."""
     w = torch.as_tensor(widths, device=device)
     if not bool(((w == 8) | (w == 12) | (w == 16)).all()):
         raise InvalidParameterError(f"plane reads take widths 8, 12 or 16, got {sorted(set(w.flatten().tolist()))}")
-    mask = torch.where(w == 16, 0xFF, torch.where(w == 12, 0xF0, 0x00)).to(torch.uint8)
-    fill = torch.where(w == 16, 0x00, torch.where(w == 12, 0x08, 0x80)).to(torch.uint8)
+    mask = torch.where(w == 16, MASK32[16], torch.where(w == 12, MASK32[12], MASK32[8])).to(torch.int32)
+    fill = torch.where(w == 16, FILL32[16], torch.where(w == 12, FILL32[12], FILL32[8])).to(torch.int32)
     return mask, fill
 
 
-def read_low_byte(a: torch.Tensor, low: torch.Tensor, mask: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """The low byte a reader gets: kept bits plus the ``1000…`` fill, or nothing when the kept bits are
-    ±0 (planes never hold inf/NaN: storage refuses them, so that exception cannot arise)."""
-    kept = low & mask
-    zero = ((a & 0x7F) == 0) & (kept == 0)
-    return torch.where(zero, kept, kept | fill)
+def _low_bytes(b: torch.Tensor, c: torch.Tensor, mask: torch.Tensor, fill: torch.Tensor):
+    """Read low bytes (B<<4 | C, masked and filled) of the even and odd elements of nibble-packed planes.
+
+    Works four bytes at a time on int32 views; the ±0 rule is applied by the caller where needed.
+    """
+    b32, c32 = b.view(torch.int32), c.view(torch.int32)
+    even = (((b32 & 0x0F0F0F0F) << 4) | (c32 & 0x0F0F0F0F)) & mask | fill
+    odd = ((b32 & _i32(0xF0F0F0F0)) | ((c32 >> 4) & 0x0F0F0F0F)) & mask | fill
+    return even.view(torch.uint8), odd.view(torch.uint8)
 
 
-def _interleave_nibbles(b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low bytes (B<<4 | C) of the even and odd elements of nibble-packed planes."""
-    even = ((b & 0x0F) << 4) | (c & 0x0F)
-    odd = (b & 0xF0) | (c >> 4)
-    return even, odd
+def _zero_rule(pairs: torch.Tensor, fill: torch.Tensor) -> None:
+    """In place on assembled fp16 byte pairs ``[..., 2, 2]``: a read whose kept bits are ±0 reads as ±0.
+
+    Works on two fp16 lanes per int32; ``fill`` is the int32-replicated fill of each lane pair's row.
+    Planes never hold inf/NaN (storage refuses them), so this is the only exception to the fill.
+    """
+    x = pairs.view(*pairs.shape[:-2], 4).view(torch.int32)
+    lane_fill = fill & 0x00FF00FF  # the fill byte at the bottom of each 16-bit lane
+    y = x & (0x7FFF7FFF & ~lane_fill)  # magnitude of the kept bits, per lane
+    nonzero = ((y + 0x7FFF7FFF) | y) & _i32(0x80008000)  # bit 15 of each lane: kept magnitude != 0
+    zero_lanes = ((nonzero ^ _i32(0x80008000)) >> 15) & 0x00010001
+    x &= ~(lane_fill & (zero_lanes * 0xFF))
 
 
 @dataclass
@@ -166,6 +181,8 @@ class PlaneStore:
     tail_v: torch.Tensor | None = None
     k_absmax: torch.Tensor | None = None
     n_tokens: int = 0
+    tiny_k: bool = False
+    tiny_v: bool = False
     _empty: bool = field(default=True, repr=False)
 
     def tensors_k(self) -> list[torch.Tensor | None]:
@@ -180,8 +197,8 @@ class PlaneStore:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append fp16 ``k``/``v`` ``[b, h, t, d]``; every completed 64-token block moves into planes."""
-        if k.shape[-1] % 2:
-            raise InvalidParameterError(f"head_dim {k.shape[-1]} must be even to pack nibble planes")
+        if k.shape[-1] % 8:
+            raise InvalidParameterError(f"head_dim {k.shape[-1]} must be a multiple of 8 for the plane layout")
         absmax = k.abs().amax(dim=2)
         if self._empty:
             self.tail_k, self.tail_v, self.k_absmax, self._empty = k, v, absmax, False
@@ -199,43 +216,54 @@ class PlaneStore:
         b, h, n, d = k.shape
         k_blocks = k.view(b, h, n // BLOCK, BLOCK, d).transpose(-1, -2)  # channel-major per block
         new = (*split_planes(k_blocks), *split_planes(v))
+        # Whether any element's high byte reads as ±0 (|x| < 2^-16): only then can the ±0 rule apply.
+        self.tiny_k = self.tiny_k or bool(((new[0] & 0x7F) == 0).any())
+        self.tiny_v = self.tiny_v or bool(((new[3] & 0x7F) == 0).any())
         names = ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c")
         for name, tensor in zip(names, new, strict=True):
             old = getattr(self, name)
             setattr(self, name, tensor if old is None else torch.cat([old, tensor], dim=2))
 
-    def read_keys(self, widths: torch.Tensor | int) -> torch.Tensor:
-        """All keys ``[b, h, L, d]`` (fp16), block tokens read at ``widths`` per (b, h, channel)."""
+    def read_keys(self, widths: torch.Tensor | int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """All keys ``[b, h, L, d]`` in ``dtype``, block tokens read at ``widths`` per (b, h, channel)."""
         if self.k_a is None:
-            return self.tail_k
-        mask, fill = _mask_fill(widths, self.k_a.device)
+            return self.tail_k.to(dtype)
+        b, h, nb, d, _ = self.k_a.shape
+        mask, fill = _mask_fill32(widths, self.k_a.device)
         if mask.dim():
             mask, fill = mask[:, :, None, :, None], fill[:, :, None, :, None]
-        b, h, nb, d, _ = self.k_a.shape
-        a = self.k_a.view(b, h, nb, d, BLOCK // 2, 2)
-        even, odd = _interleave_nibbles(self.k_b, self.k_c)
-        out = torch.empty(b, h, nb, BLOCK // 2, 2, d, 2, dtype=torch.uint8, device=self.k_a.device)
-        out[..., 0, :, 0] = read_low_byte(a[..., 0], even, mask, fill).transpose(-1, -2)
-        out[..., 1, :, 0] = read_low_byte(a[..., 1], odd, mask, fill).transpose(-1, -2)
-        out[..., 1] = self.k_a.transpose(-1, -2).reshape(b, h, nb, BLOCK // 2, 2, d)
-        keys = out.view(torch.float16).view(b, h, nb * BLOCK, d)
-        return torch.cat([keys, self.tail_k], dim=2)
+        even, odd = _low_bytes(self.k_b, self.k_c, mask, fill)
+        pairs = torch.empty(b, h, nb, d, BLOCK // 2, 2, 2, dtype=torch.uint8, device=self.k_a.device)
+        pairs[..., 0, 0] = even
+        pairs[..., 1, 0] = odd
+        pairs[..., 1] = self.k_a.view(b, h, nb, d, BLOCK // 2, 2)
+        if self.tiny_k:
+            _zero_rule(pairs, fill[..., None] if fill.dim() else fill)
+        blocks = pairs.view(torch.float16).view(b, h, nb, d, BLOCK)
+        out = torch.empty(b, h, self.n_tokens, d, dtype=dtype, device=self.k_a.device)
+        out[:, :, : nb * BLOCK].view(b, h, nb, BLOCK, d).copy_(blocks.transpose(-1, -2))
+        out[:, :, nb * BLOCK :] = self.tail_k
+        return out
 
-    def read_values(self, widths: torch.Tensor | int) -> torch.Tensor:
-        """All values ``[b, h, L, d]`` (fp16), block tokens read at ``widths`` per (b, h, token)."""
+    def read_values(self, widths: torch.Tensor | int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """All values ``[b, h, L, d]`` in ``dtype``, block tokens read at ``widths`` per (b, h, token)."""
         if self.v_a is None:
-            return self.tail_v
-        mask, fill = _mask_fill(widths, self.v_a.device)
+            return self.tail_v.to(dtype)
+        b, h, n, d = self.v_a.shape
+        mask, fill = _mask_fill32(widths, self.v_a.device)
         if mask.dim():
             mask, fill = mask[..., None], fill[..., None]
-        b, h, n, d = self.v_a.shape
-        a = self.v_a.view(b, h, n, d // 2, 2)
-        even, odd = _interleave_nibbles(self.v_b, self.v_c)
-        out = torch.empty(b, h, n, d // 2, 2, 2, dtype=torch.uint8, device=self.v_a.device)
-        out[..., 0, 0] = read_low_byte(a[..., 0], even, mask, fill)
-        out[..., 1, 0] = read_low_byte(a[..., 1], odd, mask, fill)
-        out[..., 1] = a
-        return torch.cat([out.view(torch.float16).view(b, h, n, d), self.tail_v], dim=2)
+        even, odd = _low_bytes(self.v_b, self.v_c, mask, fill)
+        pairs = torch.empty(b, h, n, d // 2, 2, 2, dtype=torch.uint8, device=self.v_a.device)
+        pairs[..., 0, 0] = even
+        pairs[..., 1, 0] = odd
+        pairs[..., 1] = self.v_a.view(b, h, n, d // 2, 2)
+        if self.tiny_v:
+            _zero_rule(pairs, fill[..., None] if fill.dim() else fill)
+        out = torch.empty(b, h, self.n_tokens, d, dtype=dtype, device=self.v_a.device)
+        out[:, :, :n] = pairs.view(torch.float16).view(b, h, n, d)
+        out[:, :, n:] = self.tail_v
+        return out
 
     def value_high_bytes(self) -> torch.Tensor:
         """Plane A of every value, tail included ``[b, h, L, d]`` (uint8)."""

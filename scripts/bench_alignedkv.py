@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--method", default="alignedkv")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     header = f"{'shape':<14}{'context':>8}{'fp16 ms':>10}{'aligned ms':>12}{'ratio':>8}{'bits read':>11}"
     print(header)
     print("-" * len(header))

@@ -114,13 +114,26 @@ def test_thresholds_validation():
             check_thresholds(bad, "k")
 
 
+def with_tiny_values(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """Sprinkle ±0 and values below 2^-16 (whose high byte reads as ±0) into ``x``."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.rand(x.shape, generator=g)
+    x = torch.where(pick < 0.05, 0.0, x)
+    x = torch.where((pick >= 0.05) & (pick < 0.08), -0.0, x)
+    return torch.where((pick >= 0.08) & (pick < 0.12), 2.0**-20 * torch.sign(x), x)
+
+
+@pytest.mark.parametrize("tiny", [False, True])
 @pytest.mark.parametrize("chunks", [[200], [1] * 70, [63, 1, 64, 2], [130, 1, 1]])
-def test_plane_store_layout_and_round_trip(chunks):
-    b, h, d = 2, 3, 8
+def test_plane_store_layout_and_round_trip(chunks, tiny):
+    b, h, d = 2, 3, 16
     store = PlaneStore()
     ks, vs = [], []
     for i, n in enumerate(chunks):
-        k, v = rand(b, h, n, d, seed=i).half(), rand(b, h, n, d, seed=100 + i).half()
+        k, v = rand(b, h, n, d, seed=i), rand(b, h, n, d, seed=100 + i)
+        if tiny:
+            k, v = with_tiny_values(k, i), with_tiny_values(v, 50 + i)
+        k, v = k.half(), v.half()
         ks.append(k)
         vs.append(v)
         store.append(k, v)
@@ -129,6 +142,9 @@ def test_plane_store_layout_and_round_trip(chunks):
     full = total // BLOCK * BLOCK
     assert store.n_tokens == total and store.n_full == full and store.tail_k.shape[2] == total - full
     assert torch.equal(store.read_keys(16), k_all) and torch.equal(store.read_values(16), v_all)
+    assert torch.equal(store.read_keys(16, torch.float32), k_all.float())
+    if tiny and full:
+        assert store.tiny_k and store.tiny_v
     assert torch.equal(store.k_absmax, k_all.abs().amax(2))
     if full:
         assert store.k_a.shape == (b, h, full // BLOCK, d, BLOCK) and store.k_b.shape[-1] == BLOCK // 2
@@ -141,6 +157,9 @@ def test_plane_store_layout_and_round_trip(chunks):
         wv = torch.randint(0, 3, (b, h, full)).mul(4).add(8)
         expected_v = torch.cat([bits.truncate(v_all[:, :, :full], wv[..., None]), v_all[:, :, full:]], 2)
         assert torch.equal(store.read_values(wv), expected_v)
+        for w in (8, 12):  # scalar widths take the same path
+            assert torch.equal(store.read_keys(w)[:, :, :full], bits.truncate(k_all[:, :, :full], w))
+            assert torch.equal(store.read_values(w)[:, :, :full], bits.truncate(v_all[:, :, :full], w))
 
 
 @settings(max_examples=25, deadline=None)
