@@ -124,16 +124,20 @@ def _i32(x: int) -> int:
 
 MASK32 = {8: 0, 12: _i32(0xF0F0F0F0), 16: -1}
 FILL32 = {8: _i32(0x80808080), 12: 0x08080808, 16: 0}
+_MASK_LUT = torch.zeros(17, dtype=torch.int32)
+_FILL_LUT = torch.zeros(17, dtype=torch.int32)
+_VALID_LUT = torch.zeros(17, dtype=torch.bool)
+for _w in (8, 12, 16):
+    _MASK_LUT[_w], _FILL_LUT[_w], _VALID_LUT[_w] = MASK32[_w], FILL32[_w], True
 
 
 def _mask_fill32(widths: torch.Tensor | int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Low-byte keep mask and ``1000…`` fill for 8/12/16-bit reads, replicated over the 4 bytes of an int32."""
-    w = torch.as_tensor(widths, device=device)
-    if not bool(((w == 8) | (w == 12) | (w == 16)).all()):
-        raise InvalidParameterError(f"plane reads take widths 8, 12 or 16, got {sorted(set(w.flatten().tolist()))}")
-    mask = torch.where(w == 16, MASK32[16], torch.where(w == 12, MASK32[12], MASK32[8])).to(torch.int32)
-    fill = torch.where(w == 16, FILL32[16], torch.where(w == 12, FILL32[12], FILL32[8])).to(torch.int32)
-    return mask, fill
+    w = torch.as_tensor(widths, device="cpu" if isinstance(widths, int) else None).long()
+    if bool((w < 0).any()) or not bool(_VALID_LUT.to(w.device)[w.clamp(0, 16)].all()):
+        shown = sorted(set(w.flatten().tolist()))[:8]
+        raise InvalidParameterError(f"plane reads take widths 8, 12 or 16, got {shown}")
+    return _MASK_LUT.to(w.device)[w].to(device), _FILL_LUT.to(w.device)[w].to(device)
 
 
 def _low_bytes(b: torch.Tensor, c: torch.Tensor, mask: torch.Tensor, fill: torch.Tensor):

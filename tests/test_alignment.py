@@ -170,3 +170,12 @@ def test_value_widths_are_valid_for_any_length(n, seed):
     w = value_widths(scores, v_high, T, topk=32)
     assume(n > 0)
     assert w.shape == (1, 2, n) and set(w.unique().tolist()) <= {8, 12, 16}
+
+
+def test_reads_refuse_widths_outside_8_12_16():
+    store = PlaneStore()
+    store.append(rand(1, 1, 64, 8).half(), rand(1, 1, 64, 8).half())
+    with pytest.raises(InvalidParameterError, match="widths 8, 12 or 16, got \\[10\\]"):
+        store.read_keys(10)
+    with pytest.raises(InvalidParameterError, match="got \\[8, 13\\]"):
+        store.read_values(torch.tensor([[[8] * 63 + [13]]]))

@@ -46,6 +46,7 @@ class AlignedLayer(KVLayer):
         self.head_widths_v = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.capture_products = False
         self.products: dict[str, torch.Tensor] | None = None
+        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
         self._dtype = torch.float16
 
     def stored_k(self) -> list[torch.Tensor | None]:
@@ -103,19 +104,27 @@ class AlignedLayer(KVLayer):
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     def _record(self, wk: torch.Tensor, wv: torch.Tensor) -> None:
+        """Per-head width counts for this step; folded into ``counts()`` lazily (no sync per step)."""
         store = self.store
         b, h, _, d = store.tail_k.shape
-        tail = b * h * store.tail_k.shape[2] * d
-        per_head_k = torch.stack([(wk == w).sum(dim=(0, 2)) for w in WIDTHS], dim=-1) * store.n_full
-        per_head_v = torch.stack([(wv == w).sum(dim=(0, 2)) for w in WIDTHS], dim=-1) * d
-        self.head_widths_k += per_head_k.cpu()
-        self.head_widths_v += per_head_v.cpu()
-        read_k = {w: int(n) for w, n in zip(WIDTHS, per_head_k.sum(0).tolist(), strict=True) if n}
-        read_v = {w: int(n) for w, n in zip(WIDTHS, per_head_v.sum(0).tolist(), strict=True) if n}
-        if tail:
-            read_k[16] = read_k.get(16, 0) + tail
-            read_v[16] = read_v.get(16, 0) + tail
-        self.count_read(read_k, read_v, position=store.n_tokens)
+        heads = torch.arange(h, device=wk.device).view(1, h, 1) * len(WIDTHS)
+        per_head_k = torch.bincount((heads + (wk - 8) // 4).flatten(), minlength=h * len(WIDTHS)).view(h, -1)
+        per_head_v = torch.bincount((heads + (wv - 8) // 4).flatten(), minlength=h * len(WIDTHS)).view(h, -1)
+        per_head_k, per_head_v = (per_head_k * store.n_full).cpu(), (per_head_v * d).cpu()
+        self.head_widths_k += per_head_k
+        self.head_widths_v += per_head_v
+        self._pending.append((store.n_tokens, b * h * store.tail_k.shape[2] * d, per_head_k.sum(0), per_head_v.sum(0)))
+
+    def counts(self):
+        for position, tail, k, v in self._pending:
+            read_k = {w: int(n) for w, n in zip(WIDTHS, k.tolist(), strict=True) if n}
+            read_v = {w: int(n) for w, n in zip(WIDTHS, v.tolist(), strict=True) if n}
+            if tail:
+                read_k[16] = read_k.get(16, 0) + tail
+                read_v[16] = read_v.get(16, 0) + tail
+            self.count_read(read_k, read_v, position=position)
+        self._pending.clear()
+        return super().counts()
 
     def _products(self, query, keys, values, scores, attention_mask, scaling) -> dict[str, torch.Tensor]:
         """``QKᵀ`` and ``SV`` from full fp16 K/V and from what was read (for relative-error tables)."""
@@ -133,6 +142,7 @@ class AlignedLayer(KVLayer):
     def reset(self) -> None:
         super().reset()
         self.store = PlaneStore()
+        self._pending.clear()
         self.head_widths_k.zero_()
         self.head_widths_v.zero_()
 
