@@ -45,6 +45,10 @@ def log_to_wandb(
         run.summary.update(flat)
         run.log({k: v for k, v in flat.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         run.log({"results": wandb.Table(columns=list(flat), data=[list(flat.values())])})
+        series = results.get("bits_by_position")
+        if series:  # mean bits read at each sequence length (AlignedKV-style methods)
+            rows = [list(r) for r in zip(*series.values(), strict=True)]
+            run.log({"bits_by_position": wandb.Table(columns=list(series), data=rows)})
         run.finish()
         return True
     except Exception as exc:  # W&B must never cost the local results

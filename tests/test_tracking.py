@@ -1,6 +1,11 @@
 from kvquant.tracking import log_to_wandb
 
-RESULTS = {"config": {"method": {"name": "fp16"}}, "metrics": {"ppl": 4.2}, "bits": {"read": 16.0}}
+RESULTS = {
+    "config": {"method": {"name": "fp16"}},
+    "metrics": {"ppl": 4.2},
+    "bits": {"read": 16.0},
+    "bits_by_position": {"position": [65, 66], "bits_read_k": [15.0, 14.5], "bits_read_v": [9.0, 9.5]},
+}
 
 
 def test_offline_run_is_written_for_wandb_sync(tmp_path, monkeypatch):
