@@ -16,6 +16,7 @@ reproduce these functions bit for bit.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -165,6 +166,48 @@ def _zero_rule(pairs: torch.Tensor, fill: torch.Tensor) -> None:
     x &= ~(lane_fill & (zero_lanes * 0xFF))
 
 
+def block_exponent_field(k_a: torch.Tensor) -> torch.Tensor:
+    """Per (b, h, block, channel): the largest exponent field in the block's plane A (one byte).
+
+    It is the exponent of the block's max ``|K|`` (fields order magnitudes), computed from the
+    bytes being written, so an append kernel produces it in the same pass that writes plane A.
+    """
+    return ((k_a >> 2) & 0x1F).amax(dim=-1)
+
+
+def block_key_widths(
+    q: torch.Tensor, k_absmax: torch.Tensor, k_exp: torch.Tensor, thresholds: tuple[float, float]
+) -> torch.Tensor:
+    """AlignedKV+: bits per (batch, KV head, block, channel) from each block's own max ``|K|``.
+
+    The reference ``max P`` is the whole-column one of ``key_widths``, so a block whose max equals
+    its column's max gets the whole-column width and every other block can only read fewer bits.
+    ``k_exp`` holds exponent fields (``block_exponent_field``); field 0 (zeros, subnormals) counts
+    as 2^-15, an upper bound.
+    """
+    b, hq, _, d = q.shape
+    hkv = k_absmax.shape[1]
+    e_q = floor_log2(q.abs().amax(dim=2).view(b, hkv, hq // hkv, d).amax(dim=2))
+    p_col = e_q + floor_log2(k_absmax)
+    p_block = e_q[:, :, None, :] + k_exp.to(torch.int32).clamp_min(1) - 15
+    return widths_from_gap(p_col.amax(dim=-1)[:, :, None, None] - p_block, thresholds)
+
+
+def accumulation_margin(n: int) -> float:
+    """Extra binades for a sum of ``n`` truncated addends.
+
+    The paper's criterion bounds one addend's error by half a unit of the result's last place. With
+    the ``1000…`` fill each truncation error is uniform on ``±ε/2`` (mean 0, variance ε²/12), so
+    ``n`` independent ones have a standard deviation of ``ε·sqrt(n/12)``: ``sqrt(n/3)`` times the
+    single-addend bound. Raising every gap by ``log2(sqrt(n/3)) = (log2 n − log2 3) / 2`` binades
+    brings that deviation back to the single-addend bound. (The worst case, ``n`` errors of one sign,
+    would need ``log2 n``; rounding errors of independent data do not line up.)
+    """
+    if n <= 3:
+        return 0.0
+    return (math.log2(n) - math.log2(3)) / 2
+
+
 @dataclass
 class PlaneStore:
     """One layer's K/V in the layout the kernels read.
@@ -187,10 +230,12 @@ class PlaneStore:
     n_tokens: int = 0
     tiny_k: bool = False
     tiny_v: bool = False
+    block_exponents: bool = False
+    k_exp: torch.Tensor | None = None
     _empty: bool = field(default=True, repr=False)
 
     def tensors_k(self) -> list[torch.Tensor | None]:
-        return [self.k_a, self.k_b, self.k_c, self.tail_k, self.k_absmax]
+        return [self.k_a, self.k_b, self.k_c, self.tail_k, self.k_absmax, self.k_exp]
 
     def tensors_v(self) -> list[torch.Tensor | None]:
         return [self.v_a, self.v_b, self.v_c, self.tail_v]
@@ -223,19 +268,24 @@ class PlaneStore:
         # Whether any element's high byte reads as ±0 (|x| < 2^-16): only then can the ±0 rule apply.
         self.tiny_k = self.tiny_k or bool(((new[0] & 0x7F) == 0).any())
         self.tiny_v = self.tiny_v or bool(((new[3] & 0x7F) == 0).any())
-        names = ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c")
+        if self.block_exponents:
+            new = (*new, block_exponent_field(new[0]))
+        names = ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c", "k_exp")[: len(new)]
         for name, tensor in zip(names, new, strict=True):
             old = getattr(self, name)
             setattr(self, name, tensor if old is None else torch.cat([old, tensor], dim=2))
 
     def read_keys(self, widths: torch.Tensor | int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        """All keys ``[b, h, L, d]`` in ``dtype``, block tokens read at ``widths`` per (b, h, channel)."""
+        """All keys ``[b, h, L, d]`` in ``dtype``; block tokens read at ``widths`` per (b, h, channel)
+        or per (b, h, block, channel)."""
         if self.k_a is None:
             return self.tail_k.to(dtype)
         b, h, nb, d, _ = self.k_a.shape
         mask, fill = _mask_fill32(widths, self.k_a.device)
-        if mask.dim():
+        if mask.dim() == 3:  # per (b, h, channel)
             mask, fill = mask[:, :, None, :, None], fill[:, :, None, :, None]
+        elif mask.dim() == 4:  # per (b, h, block, channel)
+            mask, fill = mask[..., None], fill[..., None]
         even, odd = _low_bytes(self.k_b, self.k_c, mask, fill)
         pairs = torch.empty(b, h, nb, d, BLOCK // 2, 2, 2, dtype=torch.uint8, device=self.k_a.device)
         pairs[..., 0, 0] = even

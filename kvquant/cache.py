@@ -34,6 +34,8 @@ class CacheCounts:
     read_k: Counter = field(default_factory=Counter)
     read_v: Counter = field(default_factory=Counter)
     by_position: dict[int, list[float]] = field(default_factory=dict)
+    meta_bits_k: float = 0.0
+    meta_bits_v: float = 0.0
 
     def __add__(self, other: CacheCounts) -> CacheCounts:
         positions = {p: list(v) for p, v in self.by_position.items()}
@@ -47,17 +49,29 @@ class CacheCounts:
             self.read_k + other.read_k,
             self.read_v + other.read_v,
             positions,
+            self.meta_bits_k + other.meta_bits_k,
+            self.meta_bits_v + other.meta_bits_v,
         )
 
-    def add_read(self, read_k: dict[int, int], read_v: dict[int, int], position: int | None = None) -> None:
-        """Record one attention read: element counts per bit width, for K and for V."""
+    def add_read(
+        self,
+        read_k: dict[int, int],
+        read_v: dict[int, int],
+        position: int | None = None,
+        meta_k: float = 0.0,
+        meta_v: float = 0.0,
+    ) -> None:
+        """Record one attention read: element counts per bit width, for K and for V, plus the bits of
+        metadata the read needed (per-channel maxima, block exponents), which count towards bits read."""
         self.read_k.update(read_k)
         self.read_v.update(read_v)
+        self.meta_bits_k += meta_k
+        self.meta_bits_v += meta_v
         if position is not None:
             row = self.by_position.setdefault(position, [0.0] * 4)
-            row[0] += sum(w * n for w, n in read_k.items())
+            row[0] += sum(w * n for w, n in read_k.items()) + meta_k
             row[1] += sum(read_k.values())
-            row[2] += sum(w * n for w, n in read_v.items())
+            row[2] += sum(w * n for w, n in read_v.items()) + meta_v
             row[3] += sum(read_v.values())
 
     def summary(self) -> dict[str, Any]:
@@ -69,13 +83,14 @@ class CacheCounts:
 
         elements = self.elements_k + self.elements_v
         nk, nv = sum(self.read_k.values()), sum(self.read_v.values())
+        read_k, read_v = bits(self.read_k) + self.meta_bits_k, bits(self.read_v) + self.meta_bits_v
         return {
             "bits_stored": ratio(8 * (self.bytes_k + self.bytes_v), elements),
             "bits_stored_k": ratio(8 * self.bytes_k, self.elements_k),
             "bits_stored_v": ratio(8 * self.bytes_v, self.elements_v),
-            "bits_read": ratio(bits(self.read_k) + bits(self.read_v), nk + nv),
-            "bits_read_k": ratio(bits(self.read_k), nk),
-            "bits_read_v": ratio(bits(self.read_v), nv),
+            "bits_read": ratio(read_k + read_v, nk + nv),
+            "bits_read_k": ratio(read_k, nk),
+            "bits_read_v": ratio(read_v, nv),
             "widths_k": {int(w): n / nk for w, n in sorted(self.read_k.items())},
             "widths_v": {int(w): n / nv for w, n in sorted(self.read_v.items())},
             "bytes": self.bytes_k + self.bytes_v,
@@ -134,9 +149,16 @@ class KVLayer(DynamicLayer):
             return 0, 0
         return self.keys.numel(), self.values.numel()
 
-    def count_read(self, read_k: dict[int, int], read_v: dict[int, int], position: int | None = None) -> None:
+    def count_read(
+        self,
+        read_k: dict[int, int],
+        read_v: dict[int, int],
+        position: int | None = None,
+        meta_k: float = 0.0,
+        meta_v: float = 0.0,
+    ) -> None:
         """Record one attention read as element counts per bit width (e.g. ``{16: n}`` for fp16)."""
-        self._reads.add_read(read_k, read_v, position)
+        self._reads.add_read(read_k, read_v, position, meta_k, meta_v)
 
     def counts(self) -> CacheCounts:
         ek, ev = self.logical_elements()

@@ -30,7 +30,8 @@ def test_infinite_thresholds_are_bit_identical_to_fp16(stories):
     out, cache = run(model, ids, "alignedkv", k_thresholds=INF, v_thresholds=INF)
     assert torch.equal(out, ref)
     s = cache.stats()
-    assert s["bits_read"] == 16.0 and s["widths_k"] == {16: 1.0}
+    assert s["widths_k"] == s["widths_v"] == {16: 1.0}
+    assert 16.0 < s["bits_read_k"] < 16.2 and s["bits_read_v"] == 16.0  # + the per-channel max read each step
     # and the logits of a decode step, not just the argmax
     fp16_cache = get_method("fp16").new_cache(model)
     al_cache = get_method("alignedkv", k_thresholds=INF, v_thresholds=INF).new_cache(model)
@@ -153,3 +154,31 @@ def test_smollm2_gqa_long_prompt(smollm2):
     s = cache.stats()
     assert (out == ref).float().mean() >= 0.99
     assert s["bits_read_k"] < 16 and s["bits_read_v"] < 14
+
+
+def test_plus_reads_no_more_key_bits_and_counts_its_metadata(stories):
+    model, tok = stories
+    ids = story_ids(tok, 300)
+    ref, _ = run(model, ids, "fp16", new=30)
+    out_col, col = run(model, ids, "alignedkv", new=30)
+    out_blk, blk = run(model, ids, "alignedkv_plus", new=30)
+    assert blk.layers[0].store.k_exp.shape == (1, 4, blk.get_seq_length() // 64, 8)
+    assert blk.stats()["bits_stored_k"] > col.stats()["bits_stored_k"]  # + one exponent byte per block channel
+    col_hist, blk_hist = col.counts().read_k, blk.counts().read_k
+    n_col, n_blk = sum(col_hist.values()), sum(blk_hist.values())
+    assert n_col == n_blk
+    elem_bits = lambda h: sum(w * n for w, n in h.items())  # noqa: E731
+    assert elem_bits(blk_hist) <= elem_bits(col_hist) * 1.001
+    assert (out_blk == ref).float().mean() >= 0.99
+
+
+def test_margin_only_raises_widths(stories):
+    model, tok = stories
+    ids = story_ids(tok, 200)
+    bits = {}
+    for kw in ({}, {"margin": 2}, {"accumulation_margin": True}):
+        _, cache = run(model, ids, "alignedkv_plus", new=4, **kw)
+        bits[str(kw)] = cache.stats()["bits_read"]
+    assert bits["{}"] < bits["{'margin': 2}"] and bits["{}"] < bits["{'accumulation_margin': True}"]
+    with pytest.raises(InvalidParameterError, match="margin"):
+        get_method("alignedkv", margin=-1)

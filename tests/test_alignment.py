@@ -9,6 +9,9 @@ from kvquant import bits
 from kvquant.alignment import (
     BLOCK,
     PlaneStore,
+    accumulation_margin,
+    block_exponent_field,
+    block_key_widths,
     check_thresholds,
     key_widths,
     strided_topk_indices,
@@ -179,3 +182,47 @@ def test_reads_refuse_widths_outside_8_12_16():
         store.read_keys(10)
     with pytest.raises(InvalidParameterError, match="got \\[8, 13\\]"):
         store.read_values(torch.tensor([[[8] * 63 + [13]]]))
+
+
+def test_one_block_plus_equals_whole_column_rule():
+    store = PlaneStore(block_exponents=True)
+    store.append(rand(2, 3, BLOCK, 16, seed=1).half(), rand(2, 3, BLOCK, 16, seed=2).half())
+    q = rand(2, 6, 1, 16, seed=3)
+    blockwise = block_key_widths(q, store.k_absmax, store.k_exp, T)
+    assert blockwise.shape == (2, 3, 1, 16)
+    assert torch.equal(blockwise[:, :, 0], key_widths(q, store.k_absmax, T))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), blocks=st.integers(1, 5), spread=st.floats(0.0, 12.0))
+def test_block_widths_never_exceed_column_widths_and_match_it_at_the_column_max(seed, blocks, spread):
+    k = rand(1, 2, blocks * BLOCK, 8, seed=seed)
+    k = k * torch.exp2(torch.linspace(-spread, 0, blocks * BLOCK)).view(1, 1, -1, 1)  # blocks differ in scale
+    store = PlaneStore(block_exponents=True)
+    store.append(k.half(), k.half())
+    q = rand(1, 4, 1, 8, seed=seed + 1)
+    column = key_widths(q, store.k_absmax, T)
+    blockwise = block_key_widths(q, store.k_absmax, store.k_exp, T)
+    assert (blockwise <= column[:, :, None, :]).all()
+    block_max = k.half().abs().view(1, 2, blocks, BLOCK, 8).amax(3)
+    at_column_max = bits.floor_log2(block_max) == bits.floor_log2(store.k_absmax)[:, :, None, :]
+    normal = store.k_absmax.float()[:, :, None, :].expand_as(block_max) >= 2**-14
+    same = at_column_max & normal
+    assert torch.equal(blockwise[same], column[:, :, None, :].expand_as(blockwise)[same])
+
+
+def test_block_exponents_round_trip():
+    k = rand(1, 2, 3 * BLOCK, 8, seed=5).half()
+    store = PlaneStore(block_exponents=True)
+    store.append(k, k)
+    block_max = k.abs().view(1, 2, 3, BLOCK, 8).amax(3)
+    assert torch.equal(store.k_exp.to(torch.int32) - 15, bits.floor_log2(block_max.float()))
+    assert torch.equal(block_exponent_field(store.k_a), store.k_exp)
+    assert PlaneStore().k_exp is None  # plain AlignedKV stores no exponents
+
+
+def test_accumulation_margin():
+    assert accumulation_margin(1) == accumulation_margin(3) == 0.0
+    assert accumulation_margin(12) == pytest.approx(1.0)  # sqrt(12/3) = 2 -> one binade
+    assert accumulation_margin(64) == pytest.approx((6 - 1.5849625) / 2)
+    assert all(accumulation_margin(n) <= accumulation_margin(n + 1) for n in range(1, 5000, 7))

@@ -45,3 +45,12 @@ def test_kvcache_sums_layers_and_reports_length():
     assert stats["elements"] == 2 * 2 * (2 * 5 * 4) and stats["bytes"] == 2 * stats["elements"]
     cache.layers[0].reset()
     assert cache.layers[0].counts() == CacheCounts()
+
+
+def test_metadata_bits_count_towards_bits_read():
+    c = CacheCounts()
+    c.add_read({8: 64}, {16: 64}, position=64, meta_k=64.0)
+    s = c.summary()
+    assert s["bits_read_k"] == 9.0 and s["bits_read_v"] == 16.0 and s["bits_read"] == 12.5
+    assert c.position_series()["bits_read_k"] == [9.0]
+    assert (c + c).meta_bits_k == 128.0

@@ -12,7 +12,15 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvquant.alignment import PlaneStore, check_thresholds, key_widths, value_widths
+from kvquant.alignment import (
+    BLOCK,
+    PlaneStore,
+    accumulation_margin,
+    block_key_widths,
+    check_thresholds,
+    key_widths,
+    value_widths,
+)
 from kvquant.attention import tagged_placeholder, use_kvquant_attention
 from kvquant.cache import KVCache, KVLayer, to_fp16_checked
 from kvquant.errors import InvalidParameterError
@@ -41,12 +49,12 @@ class AlignedLayer(KVLayer):
     def __init__(self, layer_idx: int, method: AlignedKVMethod, n_kv_heads: int):
         super().__init__(layer_idx)
         self.method = method
-        self.store = PlaneStore()
+        self.store = PlaneStore(block_exponents=method.blockwise)
         self.head_widths_k = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.head_widths_v = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.capture_products = False
         self.products: dict[str, torch.Tensor] | None = None
-        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor, int]] = []
         self._dtype = torch.float16
 
     def stored_k(self) -> list[torch.Tensor | None]:
@@ -85,11 +93,16 @@ class AlignedLayer(KVLayer):
 
     def aligned_read(self, query: torch.Tensor, attention_mask, scaling: float):
         """Decide widths for this step and read K and V at them; returns ``(keys, values, wk, wv)``."""
-        store = self.store
-        wk = key_widths(query, store.k_absmax, self.method.k_thresholds)
+        store, method = self.store, self.method
+        k_thresholds = method.thresholds_for(method.k_thresholds, query.shape[-1])
+        if method.blockwise and store.k_exp is not None:
+            wk = block_key_widths(query, store.k_absmax, store.k_exp, k_thresholds)
+        else:
+            wk = key_widths(query, store.k_absmax, k_thresholds)
         keys = store.read_keys(wk).to(query.dtype)
         scores = _scores(query, keys.float(), attention_mask, scaling)
-        wv_all = value_widths(scores, store.value_high_bytes(), self.method.v_thresholds, self.method.topk)
+        v_thresholds = method.thresholds_for(method.v_thresholds, store.n_tokens)
+        wv_all = value_widths(scores, store.value_high_bytes(), v_thresholds, method.topk)
         wv = wv_all[:, :, : store.n_full]
         values = store.read_values(wv).to(query.dtype)
         if self.capture_products:
@@ -107,22 +120,28 @@ class AlignedLayer(KVLayer):
         """Per-head width counts for this step; folded into ``counts()`` lazily (no sync per step)."""
         store = self.store
         b, h, _, d = store.tail_k.shape
-        heads = torch.arange(h, device=wk.device).view(1, h, 1) * len(WIDTHS)
-        per_head_k = torch.bincount((heads + (wk - 8) // 4).flatten(), minlength=h * len(WIDTHS)).view(h, -1)
-        per_head_v = torch.bincount((heads + (wv - 8) // 4).flatten(), minlength=h * len(WIDTHS)).view(h, -1)
-        per_head_k, per_head_v = (per_head_k * store.n_full).cpu(), (per_head_v * d).cpu()
+        heads = torch.arange(h, device=wk.device) * len(WIDTHS)
+        per_head_k = torch.bincount(
+            (heads.view(1, h, *[1] * (wk.dim() - 2)) + (wk - 8) // 4).flatten(), minlength=h * len(WIDTHS)
+        ).view(h, -1)
+        per_head_v = torch.bincount((heads.view(1, h, 1) + (wv - 8) // 4).flatten(), minlength=h * len(WIDTHS))
+        tokens_per_k_width = BLOCK if wk.dim() == 4 else store.n_full  # per-block or per-column widths
+        per_head_k, per_head_v = (per_head_k * tokens_per_k_width).cpu(), (per_head_v.view(h, -1) * d).cpu()
         self.head_widths_k += per_head_k
         self.head_widths_v += per_head_v
-        self._pending.append((store.n_tokens, b * h * store.tail_k.shape[2] * d, per_head_k.sum(0), per_head_v.sum(0)))
+        # metadata read each step: the per-channel max |K| (fp16), plus one exponent byte per block channel
+        meta_k = 16 * b * h * d + (8 * store.k_exp.numel() if store.k_exp is not None else 0)
+        tail = b * h * store.tail_k.shape[2] * d
+        self._pending.append((store.n_tokens, tail, per_head_k.sum(0), per_head_v.sum(0), meta_k))
 
     def counts(self):
-        for position, tail, k, v in self._pending:
+        for position, tail, k, v, meta_k in self._pending:
             read_k = {w: int(n) for w, n in zip(WIDTHS, k.tolist(), strict=True) if n}
             read_v = {w: int(n) for w, n in zip(WIDTHS, v.tolist(), strict=True) if n}
             if tail:
                 read_k[16] = read_k.get(16, 0) + tail
                 read_v[16] = read_v.get(16, 0) + tail
-            self.count_read(read_k, read_v, position=position)
+            self.count_read(read_k, read_v, position=position, meta_k=meta_k)
         self._pending.clear()
         return super().counts()
 
@@ -141,7 +160,7 @@ class AlignedLayer(KVLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.store = PlaneStore()
+        self.store = PlaneStore(block_exponents=self.method.blockwise)
         self._pending.clear()
         self.head_widths_k.zero_()
         self.head_widths_v.zero_()
@@ -152,8 +171,13 @@ class AlignedKVMethod(KVMethod):
 
     ``k_thresholds``/``v_thresholds`` are the binade gaps ``(t12, t8)`` at which a read drops to
     12 and 8 bits; ``topk`` is the number of strided-max candidates behind ``O_est``;
-    ``prefill_aligned`` applies the rule to multi-token forwards too (chunked log-likelihood).
+    ``prefill_aligned`` applies the rule to multi-token forwards too (chunked log-likelihood);
+    ``margin`` adds binades to every threshold (0 = the paper) and ``accumulation_margin`` adds
+    ``kvquant.alignment.accumulation_margin(n)`` for the ``n`` addends of each sum (head_dim for
+    ``QKᵀ``, context length for ``SV``).
     """
+
+    blockwise = False
 
     def __init__(
         self,
@@ -161,13 +185,24 @@ class AlignedKVMethod(KVMethod):
         v_thresholds: tuple[float, float] = (4, 8),
         topk: int = 32,
         prefill_aligned: bool = False,
+        margin: float = 0.0,
+        accumulation_margin: bool = False,
     ):
         self.k_thresholds = check_thresholds(k_thresholds, "k")
         self.v_thresholds = check_thresholds(v_thresholds, "v")
         if int(topk) < 1:
             raise InvalidParameterError(f"topk must be >= 1, got {topk}")
+        if float(margin) < 0:
+            raise InvalidParameterError(f"margin must be >= 0 binades, got {margin}")
         self.topk = int(topk)
         self.prefill_aligned = bool(prefill_aligned)
+        self.margin = float(margin)
+        self.accumulation_margin = bool(accumulation_margin)
+
+    def thresholds_for(self, thresholds: tuple[float, float], n_addends: int) -> tuple[float, float]:
+        """``thresholds`` raised by the margin (and the accumulation margin for ``n_addends``)."""
+        extra = self.margin + (accumulation_margin(n_addends) if self.accumulation_margin else 0.0)
+        return (thresholds[0] + extra, thresholds[1] + extra)
 
     def new_layer(self, layer_idx: int, model_config) -> AlignedLayer:
         n_kv = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
@@ -181,8 +216,20 @@ class AlignedKVMethod(KVMethod):
         return 16.0
 
 
+class AlignedKVPlusMethod(AlignedKVMethod):
+    """AlignedKV+: key widths per (head, channel, 64-token block) from each block's own max ``|K|``.
+
+    A channel's outliers sit in a few tokens; the whole-column max makes every other block read as
+    if it held them. One exponent byte per block and channel (``PlaneStore.k_exp``, written with
+    the block) lets each block read only what its own magnitude needs, against the same ``max P``.
+    """
+
+    blockwise = True
+
+
 register_method("alignedkv", AlignedKVMethod)
 register_method("alignedkv_release", AlignedKVMethod, v_thresholds=(1, 2))
+register_method("alignedkv_plus", AlignedKVPlusMethod)
 
 
 def width_histograms(cache: KVCache) -> list[dict[str, list[dict[int, int]]]]:
