@@ -8,6 +8,9 @@ so fp16 and every other method run bit-identically under this implementation.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -20,7 +23,12 @@ READER_ATTR = "_kvquant_reader"
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
+_CAPTURE: list[list[dict]] = []
+
+
 def kvquant_attention(module, query, key, value, attention_mask, **kwargs):
+    if _CAPTURE:
+        _CAPTURE[-1].append({"query": query, "key": key, "value": value, "scaling": kwargs.get("scaling")})
     reader = getattr(key, READER_ATTR, None)
     if reader is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -36,6 +44,18 @@ def tagged_placeholder(reader: object, shape: tuple[int, ...], dtype: torch.dtyp
     t = torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
     setattr(t, READER_ATTR, reader)
     return t
+
+
+@contextlib.contextmanager
+def capture_attention_inputs(model) -> Iterator[list[dict]]:
+    """Record ``query``/``key``/``value``/``scaling`` of every attention call inside the block."""
+    use_kvquant_attention(model)
+    calls: list[dict] = []
+    _CAPTURE.append(calls)
+    try:
+        yield calls
+    finally:
+        _CAPTURE.remove(calls)
 
 
 def use_kvquant_attention(model) -> None:

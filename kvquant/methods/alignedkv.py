@@ -106,7 +106,7 @@ class AlignedLayer(KVLayer):
         wv = wv_all[:, :, : store.n_full]
         values = store.read_values(wv).to(query.dtype)
         if self.capture_products:
-            self.products = self._products(query, keys, values, scores, attention_mask, scaling)
+            self.products = self._products(query, keys, values, attention_mask, scaling)
         return keys, values, wk, wv
 
     def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
@@ -145,16 +145,19 @@ class AlignedLayer(KVLayer):
         self._pending.clear()
         return super().counts()
 
-    def _products(self, query, keys, values, scores, attention_mask, scaling) -> dict[str, torch.Tensor]:
-        """``QKᵀ`` and ``SV`` from full fp16 K/V and from what was read (for relative-error tables)."""
-        full_k, full_v = self.store.read_keys(16), self.store.read_values(16)
-        groups = query.shape[1] // keys.shape[1]
+    def _products(self, query, keys, values, attention_mask, scaling) -> dict[str, torch.Tensor]:
+        """``QKᵀ`` and ``SV`` from full fp16 K/V and from what was read (``SV`` with the fp16 scores)."""
+        full_k, full_v = self.store.read_keys(16, torch.float32), self.store.read_values(16, torch.float32)
+        full_scores = _scores(query, full_k, attention_mask, scaling)
+        b, hq, q_len, _ = query.shape
+        hkv = full_k.shape[1]
 
         def qk(k):
-            return torch.matmul(query.float(), k.float().repeat_interleave(groups, 1).transpose(-1, -2)) * scaling
+            grouped = query.float().reshape(b, hkv, -1, query.shape[-1])
+            return (grouped @ k.float().transpose(-1, -2) * scaling).view(b, hq, q_len, -1)
 
         def sv(v):
-            return torch.matmul(scores, v.float().repeat_interleave(groups, 1))
+            return (full_scores.reshape(b, hkv, -1, full_k.shape[2]) @ v.float()).view(b, hq, q_len, -1)
 
         return {"qk_full": qk(full_k), "qk_read": qk(keys), "sv_full": sv(full_v), "sv_read": sv(values)}
 
