@@ -39,10 +39,12 @@ def check_choices(argv: list[str]) -> str | None:
     return None
 
 
-def print_table(results: dict) -> None:
+def print_table(cfg: DictConfig, results: dict) -> None:
     rows = flatten({k: results[k] for k in TABLE_BLOCKS if results.get(k)})
     width = max(map(len, rows), default=0)
-    print(f"{results['model']['name']} · {results['method']['name']} · {results['task']['name']}")
+    runner = cfg.experiment.runner
+    names = [cfg.model.name, cfg.method.name, cfg.task.name] if runner == "evaluate" else [cfg.model.name, runner]
+    print(" · ".join(names))
     for key, value in rows.items():
         shown = f"{value:.6g}" if isinstance(value, float) else value
         print(f"  {key:<{width}}  {shown}")
@@ -66,7 +68,7 @@ def execute(cfg: DictConfig) -> dict | None:
     results["timing"] = {"wall_s": time.perf_counter() - started, **measured.get("timing", {})}
     results["env"] = env_info(device)
     path = write_results(run_dir, results)
-    print_table(results)
+    print_table(cfg, results)
     print(f"results: {path}")
 
     if cfg.logger.name == "wandb":

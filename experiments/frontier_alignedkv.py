@@ -1,0 +1,131 @@
+"""Bits read vs fidelity for uniform truncation, AlignedKV and AlignedKV+ at several margins.
+
+For each context length: ``prompts`` consecutive WikiText-2 windows of that many tokens; each rule
+decodes ``new_tokens`` greedy tokens (match to fp16 per position), is teacher-forced along fp16's
+tokens (mean KL(fp16 ‖ rule)), and its ``QKᵀ``/``SV`` relative errors are bucketed at the decode
+step after the first prompt. Writes ``frontier_alignedkv.csv`` and a plot (bits read on x, greedy
+match on y, one line per rule, one panel per context) into ``figures_dir`` and the run folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from kvquant.analysis.relerr import relative_error_table
+from kvquant.data import wikitext2_test
+from kvquant.errors import InvalidParameterError
+from kvquant.eval.fidelity import greedy_decode, kl_divergence
+from kvquant.methods import get_method
+from kvquant.models import load_model, model_info, resolve_device
+
+NAME = "frontier_alignedkv"
+
+
+def rule_configs(cfg: DictConfig) -> list[tuple[str, str, float, Any]]:
+    """``(label, method, x_param, method)`` for every point of the frontier."""
+    points = [(f"truncation keep={k}", "truncation", k, get_method("truncation", keep_bits=int(k))) for k in cfg.keep]
+    for rule in cfg.rules:
+        points += [(f"{rule} margin={m}", rule, m, get_method(rule, margin=float(m))) for m in cfg.margins]
+    return points
+
+
+def decode_and_compare(model, prompt, method, reference, new_tokens: int) -> dict[str, float]:
+    """Free greedy decode (match, bits) and teacher-forced decode along fp16's tokens (KL)."""
+    cache = method.new_cache(model)
+    free = greedy_decode(model, prompt, cache, new_tokens)
+    forced = greedy_decode(model, prompt, method.new_cache(model), new_tokens, forced=reference.tokens)
+    stats = cache.stats()
+    return {
+        "match": (free.tokens == reference.tokens).float().mean().item(),
+        "kl": kl_divergence(reference.logprobs, forced.logprobs).mean().item(),
+        "bits_read": stats["bits_read"],
+        "bits_read_k": stats["bits_read_k"],
+        "bits_read_v": stats["bits_read_v"],
+    }
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False, sharey=True)
+    for ax, ctx in zip(axes[0], contexts, strict=True):
+        for rule in sorted({r["rule"] for r in rows}):
+            pts = sorted((r["bits_read"], r["greedy_match"]) for r in rows if r["context"] == ctx and r["rule"] == rule)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=rule)
+        ax.set_title(f"context {ctx} tokens")
+        ax.set_xlabel("mean bits read per K/V element")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("greedy tokens equal to fp16 (share)")
+    axes[0][-1].legend(loc="lower right")
+    fig.tight_layout()
+    for suffix in (".png", ".pdf"):
+        fig.savefig(path.with_suffix(suffix), dpi=150)
+    plt.close(fig)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    exp = cfg.experiment
+    device = resolve_device(cfg.device)
+    model, tok = load_model(cfg.model.path or cfg.model.name, dtype=cfg.model.dtype, device=device)
+    limit = model.config.max_position_embeddings
+    if max(exp.contexts) + exp.new_tokens > limit:
+        raise InvalidParameterError(f"experiment.contexts up to {max(exp.contexts)} + {exp.new_tokens} exceed {limit}")
+    ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
+    points = rule_configs(exp)
+    fp16 = get_method("fp16")
+    rows = []
+    for ctx in exp.contexts:
+        prompts = [ids[i * ctx : (i + 1) * ctx] for i in range(exp.prompts)]
+        if len(prompts[-1]) < ctx:
+            raise InvalidParameterError(f"WikiText-2 holds fewer than {exp.prompts} windows of {ctx} tokens")
+        relerr = relative_error_table(model, prompts[0], {label: m for label, _, _, m in points})
+        sums = {
+            label: {"match": 0.0, "kl": 0.0, "bits_read": 0.0, "bits_read_k": 0.0, "bits_read_v": 0.0}
+            for label, *_ in points
+        }
+        bar = tqdm(total=len(prompts) * len(points), desc=f"{NAME} ctx={ctx}", disable=not cfg.progress)
+        for prompt in prompts:
+            reference = greedy_decode(model, prompt, fp16.new_cache(model), exp.new_tokens)
+            for label, _, _, method in points:
+                for key, value in decode_and_compare(model, prompt, method, reference, exp.new_tokens).items():
+                    sums[label][key] += value
+                bar.update(1)
+        bar.close()
+        for label, rule, x, _ in points:
+            mean = {k: v / len(prompts) for k, v in sums[label].items()}
+            row = {"context": ctx, "rule": rule, "param": x, "label": label, "greedy_match": mean.pop("match"), **mean}
+            for kind in ("qk", "sv"):
+                row.update({f"{kind} {bucket}": share for bucket, share in relerr[label][kind].items()})
+            rows.append(row)
+
+    import pandas as pd
+
+    table = pd.DataFrame(rows)
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    table.to_csv(out_dir / f"{NAME}.csv", index=False)
+    plot(rows, out_dir / NAME)
+    figures = Path(exp.figures_dir)
+    figures.mkdir(parents=True, exist_ok=True)
+    for suffix in (".csv", ".png", ".pdf"):
+        shutil.copyfile(out_dir / f"{NAME}{suffix}", figures / f"{NAME}{suffix}")
+    print(
+        table[["context", "label", "bits_read", "bits_read_k", "bits_read_v", "greedy_match", "kl"]].to_string(
+            index=False, float_format=lambda v: f"{v:.4f}"
+        )
+    )
+    return {
+        "model": model_info(model, cfg.model.name),
+        "experiment": {"name": NAME, "n_points": len(rows), "figures": str(figures / NAME)},
+        "table": rows,
+        "device": device,
+    }
