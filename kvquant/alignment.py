@@ -160,10 +160,18 @@ def _zero_rule(pairs: torch.Tensor, fill: torch.Tensor) -> None:
     """
     x = pairs.view(*pairs.shape[:-2], 4).view(torch.int32)
     lane_fill = fill & 0x00FF00FF  # the fill byte at the bottom of each 16-bit lane
+    if lane_fill.dim():  # same-shape contiguous operands vectorise; short broadcast rows do not
+        lane_fill = lane_fill.expand(x.shape).contiguous()
     y = x & (0x7FFF7FFF & ~lane_fill)  # magnitude of the kept bits, per lane
-    nonzero = ((y + 0x7FFF7FFF) | y) & _i32(0x80008000)  # bit 15 of each lane: kept magnitude != 0
-    zero_lanes = ((nonzero ^ _i32(0x80008000)) >> 15) & 0x00010001
-    x &= ~(lane_fill & (zero_lanes * 0xFF))
+    t = y + 0x7FFF7FFF  # in-place from here: this runs on every element of every read
+    t |= y
+    t &= _i32(0x80008000)  # bit 15 of each lane: kept magnitude != 0
+    t ^= _i32(0x80008000)
+    t >>= 15
+    t &= 0x00010001
+    t *= 0xFF  # 0xFF under each lane whose kept bits read as ±0
+    t &= lane_fill
+    x &= t.bitwise_not_()
 
 
 def block_exponent_field(k_a: torch.Tensor) -> torch.Tensor:
@@ -282,17 +290,18 @@ class PlaneStore:
             return self.tail_k.to(dtype)
         b, h, nb, d, _ = self.k_a.shape
         mask, fill = _mask_fill32(widths, self.k_a.device)
-        if mask.dim() == 3:  # per (b, h, channel)
-            mask, fill = mask[:, :, None, :, None], fill[:, :, None, :, None]
-        elif mask.dim() == 4:  # per (b, h, block, channel)
-            mask, fill = mask[..., None], fill[..., None]
+        if mask.dim():  # per (b, h, channel) or per (b, h, block, channel), expanded to the int32 words
+            index = (slice(None), slice(None), None) if mask.dim() == 3 else (Ellipsis,)
+            words = (b, h, nb, d, BLOCK // 8)
+            mask = mask[(*index, Ellipsis, None)].expand(words).contiguous()
+            fill = fill[(*index, Ellipsis, None)].expand(words).contiguous()
         even, odd = _low_bytes(self.k_b, self.k_c, mask, fill)
         pairs = torch.empty(b, h, nb, d, BLOCK // 2, 2, 2, dtype=torch.uint8, device=self.k_a.device)
         pairs[..., 0, 0] = even
         pairs[..., 1, 0] = odd
         pairs[..., 1] = self.k_a.view(b, h, nb, d, BLOCK // 2, 2)
         if self.tiny_k:
-            _zero_rule(pairs, fill[..., None] if fill.dim() else fill)
+            _zero_rule(pairs, fill[..., :1, None] if fill.dim() else fill)
         blocks = pairs.view(torch.float16).view(b, h, nb, d, BLOCK)
         out = torch.empty(b, h, self.n_tokens, d, dtype=dtype, device=self.k_a.device)
         out[:, :, : nb * BLOCK].view(b, h, nb, BLOCK, d).copy_(blocks.transpose(-1, -2))
@@ -305,15 +314,16 @@ class PlaneStore:
             return self.tail_v.to(dtype)
         b, h, n, d = self.v_a.shape
         mask, fill = _mask_fill32(widths, self.v_a.device)
-        if mask.dim():
-            mask, fill = mask[..., None], fill[..., None]
+        if mask.dim():  # per (b, h, token), expanded to the int32 words of the token's row
+            mask = mask[..., None].expand(b, h, n, d // 8).contiguous()
+            fill = fill[..., None].expand(b, h, n, d // 8).contiguous()
         even, odd = _low_bytes(self.v_b, self.v_c, mask, fill)
         pairs = torch.empty(b, h, n, d // 2, 2, 2, dtype=torch.uint8, device=self.v_a.device)
         pairs[..., 0, 0] = even
         pairs[..., 1, 0] = odd
         pairs[..., 1] = self.v_a.view(b, h, n, d // 2, 2)
         if self.tiny_v:
-            _zero_rule(pairs, fill[..., None] if fill.dim() else fill)
+            _zero_rule(pairs, fill[..., :1, None] if fill.dim() else fill)
         out = torch.empty(b, h, self.n_tokens, d, dtype=dtype, device=self.v_a.device)
         out[:, :, :n] = pairs.view(torch.float16).view(b, h, n, d)
         out[:, :, n:] = self.tail_v

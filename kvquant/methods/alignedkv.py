@@ -99,12 +99,12 @@ class AlignedLayer(KVLayer):
             wk = block_key_widths(query, store.k_absmax, store.k_exp, k_thresholds)
         else:
             wk = key_widths(query, store.k_absmax, k_thresholds)
-        keys = store.read_keys(wk).to(query.dtype)
+        keys = store.read_keys(wk, query.dtype)
         scores = _scores(query, keys.float(), attention_mask, scaling)
         v_thresholds = method.thresholds_for(method.v_thresholds, store.n_tokens)
         wv_all = value_widths(scores, store.value_high_bytes(), v_thresholds, method.topk)
         wv = wv_all[:, :, : store.n_full]
-        values = store.read_values(wv).to(query.dtype)
+        values = store.read_values(wv, query.dtype)
         if self.capture_products:
             self.products = self._products(query, keys, values, attention_mask, scaling)
         return keys, values, wk, wv
