@@ -1,0 +1,291 @@
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvquant.methods.kivi as kivi
+from kvquant import get_method
+from kvquant.cache import KVCache
+from kvquant.errors import InvalidParameterError
+from kvquant.methods.kivi import KiviLayer, KiviMethod, NonFiniteKVError
+from kvquant.quant.integer import dequantize, quantize
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread for this module: on a shared 2-core machine, 2-thread kernels stall on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# smollm2_135m's KV shapes: 30 layers, 3 KV heads, head_dim 64
+SMOLLM2 = SimpleNamespace(num_hidden_layers=30, head_dim=64, hidden_size=576, num_attention_heads=9)
+
+
+def fake_model(config=SMOLLM2):
+    """What ``KVMethod.new_cache`` needs of a model: its config."""
+    return SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder=True: config))
+
+
+def fill(method, context: int, layers: int = SMOLLM2.num_hidden_layers, seed: int = 0) -> KVCache:
+    """A cache for smollm2's shapes that has received ``context`` random tokens per layer, in one update."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = method.new_cache(fake_model())
+    for i in range(layers):
+        cache.update(torch.randn(1, 3, context, 64, generator=gen), torch.randn(1, 3, context, 64, generator=gen), i)
+    return cache
+
+
+@functools.lru_cache(maxsize=1)
+def real_kv(model, tokenizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K/V smollm2_135m writes for the first 2,048 WikiText-2 test tokens (shared with test_gear)."""
+    from kvquant.analysis.capture import capture_kv
+    from kvquant.data import wikitext2_test
+
+    ids = torch.tensor(tokenizer(wikitext2_test()[:40_000]).input_ids[:2048])
+    assert ids.numel() == 2048
+    return capture_kv(model, ids)
+
+
+@functools.lru_cache(maxsize=8)
+def real_error(model, tokenizer, name: str) -> float:
+    """``relative_error`` of a method on ``real_kv`` (cached: test_gear compares with kivi2 too)."""
+    return relative_error(name, real_kv(model, tokenizer))
+
+
+def relative_error(name: str, kv, **params) -> float:
+    """‖(K̂, V̂) − (K, V)‖ / ‖(K, V)‖ (Frobenius, over all layers) for the tensors a cache returns."""
+    cache = get_method(name, **params).new_cache(fake_model())
+    err = ref = 0.0
+    for i, (k, v) in enumerate(kv):
+        out_k, out_v = cache.update(k, v, i)
+        err += float((out_k - k).pow(2).sum() + (out_v - v).pow(2).sum())
+        ref += float(k.pow(2).sum() + v.pow(2).sum())
+    return (err / ref) ** 0.5
+
+
+def held(layer: KiviLayer) -> list[torch.Tensor]:
+    return [t.clone() for t in layer.stored_k() + layer.stored_v()]
+
+
+# --- parameters and bad input -------------------------------------------------------------------
+
+
+def test_presets_are_registry_names_and_record_their_parameters():
+    assert get_method("kivi2").describe() == {"name": "kivi2", "bits": 2, "group_size": 32, "residual": 128}
+    assert get_method("kivi4").bits == 4
+    assert get_method("kivi", bits=8, residual=64).params() == {"bits": 8, "group_size": 32, "residual": 64}
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"bits": 3}, "bits must be one of 2, 4, 8, got 3"),
+        ({"residual": 100}, "residual (100) must be a positive multiple of group_size (32)"),
+        ({"residual": 0}, "positive multiple of group_size"),
+        ({"group_size": 0}, "group_size must be >= 1"),
+    ],
+)
+def test_bad_parameters_are_one_line_errors(params, message):
+    with pytest.raises(InvalidParameterError, match="^kivi.*" + message.replace("(", r"\(").replace(")", r"\)")) as e:
+        get_method("kivi2", **params)
+    assert "\n" not in str(e.value)
+
+
+def test_group_size_must_divide_the_head_dim(stories):
+    model, _ = stories  # head_dim 8
+    with pytest.raises(InvalidParameterError, match="group_size 32 does not divide the model's head_dim 8") as e:
+        get_method("kivi2").new_cache(model)
+    assert "\n" not in str(e.value)
+    get_method("kivi2", group_size=8).new_cache(model)
+
+
+def test_non_finite_kv_names_the_layer():
+    cache = get_method("kivi2").new_cache(fake_model())
+    k = torch.randn(1, 3, 4, 64)
+    cache.update(k, k, 0)
+    bad = k.clone()
+    bad[0, 1, 2, 3] = float("nan")
+    with pytest.raises(NonFiniteKVError, match="kivi2: layer 7 received non-finite values"):
+        cache.update(k, bad, 7)
+    bad[0, 1, 2, 3] = float("inf")
+    with pytest.raises(NonFiniteKVError, match="layer 3 received non-finite keys"):
+        cache.update(bad, k, 3)
+
+
+# --- layout, flush rules, incrementality ----------------------------------------------------------
+
+
+def test_windows_and_quantized_lengths_follow_the_flush_rules():
+    layer = KiviLayer(0, bits=2, group_size=4, residual=8)
+    for n in range(1, 40):
+        x = torch.randn(1, 2, 1, 8)
+        out_k, out_v = layer.update(x, x)
+        keys_fp16 = n if n <= 8 else (n - 1) % 8 + 1
+        assert layer.k_stream.window.shape[2] == keys_fp16 and layer.k_stream.store.length == n - keys_fp16
+        assert layer.k_stream.store.length % 8 == 0  # keys leave in whole blocks of `residual`
+        assert layer.v_stream.window.shape[2] == min(n, 8) and layer.v_stream.store.length == n - min(n, 8)
+        assert out_k.shape == out_v.shape == (1, 2, n, 8) and layer.get_seq_length() == n
+        # the window is returned as stored (fp16-rounded), the newest token always among it
+        assert torch.equal(out_k[:, :, -1:], x.half().float()) and torch.equal(out_v[:, :, -1:], x.half().float())
+
+
+def test_decode_quantizes_only_what_leaves_the_window(monkeypatch):
+    calls = []
+
+    def counting(x, bits, axis, group_size, mask=None):
+        calls.append((axis, x.shape[2]))
+        return quantize(x, bits, axis, group_size, mask)
+
+    monkeypatch.setattr(kivi, "quantize", counting)
+    layer = KiviLayer(0, bits=2, group_size=8, residual=32)
+    layer.update(torch.randn(1, 3, 75, 16), torch.randn(1, 3, 75, 16))
+    assert sorted(calls) == [(2, 64), (3, 43)]  # prefill: two whole key blocks; values beyond the window
+    for n in range(76, 180):
+        before = held(layer)
+        calls.clear()
+        x = torch.randn(1, 3, 1, 16)
+        layer.update(x, x)
+        key_flush = [(2, 32)] if (n - 1) % 32 == 0 else []
+        assert sorted(calls) == key_flush + [(3, 1)], n  # one value token; keys only at a block boundary
+        # nothing held before was re-quantized: old codes, scales and zeros are a bit-identical prefix
+        qk, qv = layer.k_stream.store.q, layer.v_stream.store.q
+        for old, new in zip(before[1:4] + before[-3:], qk.tensors() + qv.tensors(), strict=True):
+            assert torch.equal(new.narrow(2, 0, old.shape[2]), old)
+
+
+@settings(max_examples=25, deadline=None)
+@given(chunks=st.lists(st.integers(1, 40), min_size=1, max_size=8), bits=st.sampled_from([2, 4, 8]))
+def test_codes_do_not_depend_on_how_the_sequence_was_chunked(chunks, bits):
+    gen = torch.Generator().manual_seed(sum(chunks))
+    k = torch.randn(2, 2, sum(chunks), 16, generator=gen)
+    v = torch.randn(2, 2, sum(chunks), 16, generator=gen)
+    whole, pieces = KiviLayer(0, bits, 8, 16), KiviLayer(0, bits, 8, 16)
+    ref = whole.update(k, v)
+    start = 0
+    for n in chunks:
+        out = pieces.update(k[:, :, start : start + n], v[:, :, start : start + n])
+        start += n
+    assert all(torch.equal(a, b) for a, b in zip(held(whole), held(pieces), strict=True))
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    # measured bits equal the analytic figure at this length, whatever the chunking
+    method = KiviMethod(bits, 8, 16)
+    counts = pieces.counts()
+    assert 8 * (counts.bytes_k + counts.bytes_v) / (counts.elements_k + counts.elements_v) == pytest.approx(
+        method.analytic_bits(sum(chunks)), rel=1e-12
+    )
+
+
+def test_returned_history_is_the_dequantized_store_then_the_window():
+    layer = KiviLayer(0, bits=2, group_size=32, residual=128)
+    k, v = torch.randn(1, 3, 500, 64) * 3, torch.randn(1, 3, 500, 64)
+    out_k, out_v = layer.update(k, v)
+    qk, qv = layer.k_stream.store.q, layer.v_stream.store.q
+    assert qk.shape[2] == 384 and qv.shape[2] == 372
+    assert torch.equal(out_k[:, :, :384], dequantize(qk)) and torch.equal(
+        out_k[:, :, 384:], k[:, :, 384:].half().float()
+    )
+    assert torch.equal(out_v[:, :, :372], dequantize(qv)) and torch.equal(
+        out_v[:, :, 372:], v[:, :, 372:].half().float()
+    )
+    # keys per channel in groups of 32 tokens, values per token in groups of 32 channels
+    assert qk.scale.shape == (1, 3, 12, 1, 64) and qv.scale.shape == (1, 3, 372, 2, 1)
+    assert qk.codes.dtype == torch.uint8 and qk.codes.shape == (1, 3, 384, 16)
+    half = layer.update(k[:, :, :1].half(), v[:, :, :1].half())
+    assert half[0].dtype == torch.float16
+
+
+def test_reads_count_every_byte_held_and_the_window_at_16_bits():
+    cache = fill(get_method("kivi2"), 1000, layers=2)
+    stats = cache.stats()
+    # one update per layer: each read everything it then held
+    assert stats["bits_read"] == pytest.approx(stats["bits_stored"], rel=1e-12)
+    assert set(stats["widths_k"]) == {3, 16} and stats["widths_k"][16] == pytest.approx((1000 - 896) / 1000)
+    assert stats["widths_v"][16] == pytest.approx(128 / 1000)
+
+
+def test_every_held_tensor_owns_exactly_its_bytes():
+    """No stored tensor is a view that keeps a bigger buffer alive (which ``nbytes`` would not see)."""
+    layer = KiviLayer(0, bits=4, group_size=8, residual=16)
+    k = torch.randn(2, 3, 40, 16).half()
+    layer.update(k, k)
+    for _ in range(20):
+        layer.update(k[:, :, :1], k[:, :, :1])
+    for t in layer.stored_k() + layer.stored_v():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_batch_reorder_and_reset():
+    layer = KiviLayer(0, bits=4, group_size=8, residual=16)
+    k, v = torch.randn(2, 3, 50, 16), torch.randn(2, 3, 50, 16)
+    out_k, out_v = layer.update(k, v)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    x = torch.randn(2, 3, 1, 16)
+    new_k, new_v = layer.update(x, x)
+    assert torch.equal(new_k[:, :, :50], out_k.flip(0))
+    # value 34 has just left the window (quantized now); the rest is as before, batch rows swapped
+    keep = [i for i in range(50) if i != 34]
+    assert torch.equal(new_v[:, :, keep], out_v.flip(0)[:, :, keep])
+    layer.batch_repeat_interleave(2)
+    assert layer.update(x.repeat_interleave(2, 0), x.repeat_interleave(2, 0))[0].shape == (4, 3, 52, 16)
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.counts().bytes_k == 0
+    assert torch.equal(layer.update(k, v)[0], out_k)
+
+
+# --- memory at 4K on smollm2 shapes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,ceiling", [("kivi2", 3.6), ("kivi4", 5.6)])
+def test_bits_stored_at_4k_on_smollm2_shapes(name, ceiling):
+    method = get_method(name)
+    stats = fill(method, 4096).stats()
+    analytic = method.analytic_bits(4096)
+    print(f"{name}: measured {stats['bits_stored']:.4f} bits/element, analytic {analytic:.4f} at 4096 tokens")
+    assert stats["bits_stored"] <= ceiling
+    assert stats["bits_stored"] == pytest.approx(analytic, rel=0.05)
+    assert stats["bytes"] < stats["bytes_fp16"] and stats["elements"] == 2 * 30 * 3 * 4096 * 64
+    assert method.analytic_bits() == method.bits + 1.0  # 32 bits of scale+zero per group of 32
+
+
+# --- real K/V from smollm2_135m -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_errors_on_real_kv(smollm2):
+    kv = real_kv(*smollm2)
+    e2, e4 = real_error(*smollm2, "kivi2"), real_error(*smollm2, "kivi4")
+    num = {axis: 0.0 for axis in (2, 3)}
+    ref = 0.0
+    for k, _ in kv:
+        k16 = k.half().float()
+        ref += float(k16.pow(2).sum())
+        for axis in num:
+            num[axis] += float((dequantize(quantize(k16, 2, axis, 32)) - k16).pow(2).sum())
+    per_channel, per_token = (num[2] / ref) ** 0.5, (num[3] / ref) ** 0.5
+    print(f"kivi2 {e2:.4f} kivi4 {e4:.4f}; 2-bit keys per channel {per_channel:.4f} per token {per_token:.4f}")
+    assert e4 < e2 < 0.5
+    assert per_channel < per_token  # KIVI's finding: key outliers live in channels
+
+
+# --- generation ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["kivi2", "kivi4"])
+def test_generate_through_the_cache(stories, name):
+    model, tok = stories
+    ids = tok("Once upon a time", return_tensors="pt").input_ids
+    cache = get_method(name, group_size=8, residual=16).new_cache(model)
+    out = model.generate(ids, max_new_tokens=32, do_sample=False, past_key_values=cache)
+    plain = model.generate(ids, max_new_tokens=32, do_sample=False)
+    assert out.shape == plain.shape and cache.get_seq_length() == out.shape[1] - 1
+    stats = cache.stats()
+    assert stats["bits_stored"] < 16 and stats["bits_read"] < 16
+    assert cache.layers[0].k_stream.store.length == 32  # the generation did run through quantized keys
+    if name == "kivi4":  # 4-bit KIVI follows fp16's greedy path on this prompt
+        assert torch.equal(out[0, : ids.shape[1] + 16], plain[0, : ids.shape[1] + 16])
