@@ -291,10 +291,11 @@ class PlaneStore:
         b, h, nb, d, _ = self.k_a.shape
         mask, fill = _mask_fill32(widths, self.k_a.device)
         if mask.dim():  # per (b, h, channel) or per (b, h, block, channel), expanded to the int32 words
-            index = (slice(None), slice(None), None) if mask.dim() == 3 else (Ellipsis,)
+            if mask.dim() == 3:
+                mask, fill = mask[:, :, None], fill[:, :, None]
             words = (b, h, nb, d, BLOCK // 8)
-            mask = mask[(*index, Ellipsis, None)].expand(words).contiguous()
-            fill = fill[(*index, Ellipsis, None)].expand(words).contiguous()
+            mask = mask[..., None].expand(words).contiguous()
+            fill = fill[..., None].expand(words).contiguous()
         even, odd = _low_bytes(self.k_b, self.k_c, mask, fill)
         pairs = torch.empty(b, h, nb, d, BLOCK // 2, 2, 2, dtype=torch.uint8, device=self.k_a.device)
         pairs[..., 0, 0] = even

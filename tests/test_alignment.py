@@ -226,3 +226,13 @@ def test_accumulation_margin():
     assert accumulation_margin(12) == pytest.approx(1.0)  # sqrt(12/3) = 2 -> one binade
     assert accumulation_margin(64) == pytest.approx((6 - 1.5849625) / 2)
     assert all(accumulation_margin(n) <= accumulation_margin(n + 1) for n in range(1, 5000, 7))
+
+
+def test_block_widths_read_each_block_at_its_own_width():
+    k = rand(1, 2, 3 * BLOCK + 5, 16, seed=9).half()
+    store = PlaneStore(block_exponents=True)
+    store.append(k, k)
+    widths = torch.randint(0, 3, (1, 2, 3, 16), generator=torch.Generator().manual_seed(1)).mul(4).add(8)
+    per_token = widths.repeat_interleave(BLOCK, dim=2)  # [1, 2, 3·64, 16]
+    expected = torch.cat([bits.truncate(k[:, :, : 3 * BLOCK], per_token), k[:, :, 3 * BLOCK :]], dim=2)
+    assert torch.equal(store.read_keys(widths), expected)
