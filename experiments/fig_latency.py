@@ -54,10 +54,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise InvalidParameterError(f"unknown experiment.shape '{exp.shape}'; valid: {', '.join(SHAPES)}")
     if exp.threads:
         torch.set_num_threads(int(exp.threads))
-    specs = OmegaConf.to_container(exp.methods, resolve=True)
-    methods = {
-        label: get_method(spec.pop("name", label) if spec else label, **(spec or {})) for label, spec in specs.items()
-    }
+    methods = {name: get_method(name) for name in exp.methods}
     fp16 = get_method("fp16")
     rows = []
     for context in tqdm(list(exp.contexts), desc=NAME, disable=not cfg.progress):
