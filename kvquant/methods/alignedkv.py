@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import kernels_cupy
 from kvquant.alignment import (
     BLOCK,
-    PlaneStore,
     accumulation_margin,
     block_key_widths,
     check_thresholds,
@@ -49,7 +49,8 @@ class AlignedLayer(KVLayer):
     def __init__(self, layer_idx: int, method: AlignedKVMethod, n_kv_heads: int):
         super().__init__(layer_idx)
         self.method = method
-        self.store = PlaneStore(block_exponents=method.blockwise)
+        self.store = kernels_cupy.plane_store(method.backend_used, method.blockwise)
+        self.kernels = method.backend_used == "cupy"
         self.head_widths_k = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.head_widths_v = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.capture_products = False
@@ -112,6 +113,10 @@ class AlignedLayer(KVLayer):
     def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
         """Attention for one step over what the rules read (called by ``kvquant.attention``)."""
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if self.kernels and not self.capture_products and (query.shape[2] == 1 or attention_mask is not None):
+            out, wk, wv = kernels_cupy.attend(self.method, self.store, query, attention_mask, scaling)
+            self._record(wk, wv)
+            return out, None
         keys, values, wk, wv = self.aligned_read(query, attention_mask, scaling)
         self._record(wk, wv)
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
@@ -163,7 +168,7 @@ class AlignedLayer(KVLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.store = PlaneStore(block_exponents=self.method.blockwise)
+        self.store = kernels_cupy.plane_store(self.method.backend_used, self.method.blockwise)
         self._pending.clear()
         self.head_widths_k.zero_()
         self.head_widths_v.zero_()
@@ -177,7 +182,9 @@ class AlignedKVMethod(KVMethod):
     ``prefill_aligned`` applies the rule to multi-token forwards too (chunked log-likelihood);
     ``margin`` adds binades to every threshold (0 = the paper) and ``accumulation_margin`` adds
     ``kvquant.alignment.accumulation_margin(n)`` for the ``n`` addends of each sum (head_dim for
-    ``QKᵀ``, context length for ``SV``).
+    ``QKᵀ``, context length for ``SV``). ``backend``: ``torch`` (this reference), ``cupy`` (the
+    kernels in ``kernels_cupy``) or ``auto`` (cupy on a CUDA device). The default stays ``torch``
+    until ``scripts/gpu_check.sh`` has validated the kernels on a GPU (none was lent so far).
     """
 
     blockwise = False
@@ -190,6 +197,7 @@ class AlignedKVMethod(KVMethod):
         prefill_aligned: bool = False,
         margin: float = 0.0,
         accumulation_margin: bool = False,
+        backend: str = "torch",
     ):
         self.k_thresholds = check_thresholds(k_thresholds, "k")
         self.v_thresholds = check_thresholds(v_thresholds, "v")
@@ -201,6 +209,7 @@ class AlignedKVMethod(KVMethod):
         self.prefill_aligned = bool(prefill_aligned)
         self.margin = float(margin)
         self.accumulation_margin = bool(accumulation_margin)
+        self.backend, self.backend_used = kernels_cupy.check_backend(backend), None
 
     def thresholds_for(self, thresholds: tuple[float, float], n_addends: int) -> tuple[float, float]:
         """``thresholds`` raised by the margin (and the accumulation margin for ``n_addends``)."""
@@ -212,8 +221,12 @@ class AlignedKVMethod(KVMethod):
         return AlignedLayer(layer_idx, self, n_kv)
 
     def new_cache(self, model) -> KVCache:
+        self.backend_used = kernels_cupy.select_backend(self.backend, model.device)
         use_kvquant_attention(model)
         return super().new_cache(model)
+
+    def describe(self) -> dict:
+        return {**super().describe(), **({"backend_used": self.backend_used} if self.backend_used else {})}
 
     def analytic_bits(self) -> float:
         return 16.0

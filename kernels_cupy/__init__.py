@@ -1,0 +1,48 @@
+"""CUDA kernels for AlignedKV's plane layout, compiled at first use with CuPy ``RawModule``.
+
+Importing this package needs only torch and numpy; cupy is imported when a kernel is first
+launched. ``select_backend`` resolves ``method.backend`` (``auto``/``torch``/``cupy``); the
+kernels are in ``kernels_cupy.ops`` (``append``, ``qk``, ``value_exponents``, ``sv``,
+``aligned_attention``, ``attend``), ``plane_store`` gives a layer its store (``KernelPlaneStore``
+appends with the pack kernel), and their oracle is ``kernels_cupy.reference``.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from kernels_cupy.loader import BACKENDS, SOURCES, check_backend, cupy_status, select_backend
+
+__all__ = [
+    "BACKENDS",
+    "SOURCES",
+    "KernelPlaneStore",
+    "aligned_attention",
+    "append",
+    "attend",
+    "check_backend",
+    "cupy_status",
+    "plane_store",
+    "qk",
+    "select_backend",
+    "sv",
+]
+
+_LAZY = {
+    "aligned_attention": "kernels_cupy.ops",
+    "append": "kernels_cupy.ops",
+    "attend": "kernels_cupy.ops",
+    "qk": "kernels_cupy.ops",
+    "softmax_scores": "kernels_cupy.ops",
+    "sv": "kernels_cupy.ops",
+    "value_exponents": "kernels_cupy.ops",
+    "KernelPlaneStore": "kernels_cupy.store",
+    "plane_store": "kernels_cupy.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kernels_cupy' has no attribute {name!r}")

@@ -1,0 +1,138 @@
+"""Compile the ``.cu`` sources with CuPy ``RawModule`` and launch them on torch tensors in place.
+
+Needs only torch, numpy and cupy (cupy is imported on first use, so this module imports without
+it). Tensors are handed to kernels as raw device pointers of torch's own storage, the
+``__cuda_array_interface__`` contract without building a wrapper per call, and kernels run on
+torch's current stream so they order with the surrounding torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvquant.errors import InvalidParameterError
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("pack.cu", "qk.cu", "sv.cu")
+HEADER = "planes.cuh"
+NVRTC_OPTIONS = ("-std=c++17",)
+BACKENDS = ("auto", "torch", "cupy")
+
+
+def cupy_status() -> tuple[bool, str]:
+    """Whether the kernels can run here, and if not, why (one line)."""
+    if importlib.util.find_spec("cupy") is None:
+        return False, "cupy is not installed (pip install 'kvquant[gpu]', i.e. cupy-cuda13x)"
+    try:
+        import cupy
+    except Exception as exc:  # a broken CUDA install surfaces as any exception type
+        return False, f"cupy does not import: {exc}"
+    try:
+        available = cupy.cuda.is_available()
+    except Exception as exc:
+        return False, f"cupy cannot query CUDA: {exc}"
+    if not available:
+        return False, "cupy finds no CUDA device"
+    if not torch.cuda.is_available():
+        return False, "torch has no CUDA device (a CPU build of torch?)"
+    return True, "ok"
+
+
+def check_backend(name: str) -> str:
+    """``name`` if it is a backend (``auto``, ``torch``, ``cupy``), else ``InvalidParameterError``."""
+    if name not in BACKENDS:
+        raise InvalidParameterError(f"unknown backend '{name}'; valid backends: {', '.join(BACKENDS)}")
+    return name
+
+
+def select_backend(name: str, device: torch.device | str | None) -> str:
+    """Resolve ``method.backend``: ``auto`` picks ``cupy`` on a CUDA device where the kernels can run, else ``torch``.
+
+    ``cupy`` on a non-CUDA device, or without cupy/a GPU, raises ``InvalidParameterError`` (a
+    ``ValueError``) with the reason, so ``run.py`` prints one line.
+    """
+    if check_backend(name) == "torch":
+        return "torch"
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    ok, why = cupy_status()
+    if name == "auto":
+        return "cupy" if on_cuda and ok else "torch"
+    if not on_cuda:
+        raise InvalidParameterError(f"backend=cupy needs a CUDA device, got device={device}; use backend=auto or torch")
+    if not ok:
+        raise InvalidParameterError(f"backend=cupy is unavailable: {why}; use backend=auto or torch")
+    return "cupy"
+
+
+def source_text(name: str) -> str:
+    """A ``.cu`` file with ``planes.cuh`` inlined, so CuPy's compile cache keys on the header too."""
+    header = (SOURCE_DIR / HEADER).read_text()
+    return (SOURCE_DIR / name).read_text().replace(f'#include "{HEADER}"', header)
+
+
+@functools.cache
+def module(name: str):
+    """The compiled ``RawModule`` of one source file (once per process; CuPy caches it on disk).
+
+    NVRTC first; if it is missing or refuses the source and ``nvcc`` is on PATH, CuPy's nvcc backend.
+    """
+    import cupy
+
+    try:
+        compiled = cupy.RawModule(code=source_text(name), options=NVRTC_OPTIONS)
+        compiled.compile()
+        return compiled
+    except Exception:
+        if shutil.which("nvcc") is None:
+            raise
+    compiled = cupy.RawModule(code=source_text(name), options=NVRTC_OPTIONS, backend="nvcc")
+    compiled.compile()
+    return compiled
+
+
+@functools.cache
+def kernel(source: str, name: str):
+    return module(source).get_function(name)
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    """Device pointer of a contiguous CUDA tensor (null for ``None``), without copying."""
+    if t is None:
+        return np.uint64(0)
+    if not t.is_cuda or not t.is_contiguous():
+        raise ValueError(f"kernel arguments must be contiguous CUDA tensors, got one on {t.device}")
+    return np.uint64(t.data_ptr())
+
+
+def i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def launch(source: str, name: str, grid: tuple[int, ...], block: int, args: tuple, shared_mem: int = 0) -> None:
+    """Launch ``name`` from ``source`` on torch's current stream of the current device."""
+    import cupy
+
+    fn = kernel(source, name)
+    if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+        fn.max_dynamic_shared_size_bytes = shared_mem
+    stream = torch.cuda.current_stream()
+    with cupy.cuda.Device(stream.device.index), _stream(stream.cuda_stream):
+        fn(grid, (block,), args, shared_mem=shared_mem)
+
+
+@functools.cache
+def _stream(handle: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(handle)
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -1,0 +1,82 @@
+// Shared device helpers for the AlignedKV plane layout (see kvquant/alignment.py, kvquant/bits.py).
+//
+// An fp16 element is split into plane A (high byte), plane B (bits 7..4) and plane C (bits 3..0);
+// B and C hold two elements per byte, the even element in the low nibble. A read of 8 or 12 bits
+// fills the bits it did not load with 1000... unless its kept bits are +-0 (then +-0) or its
+// exponent field is 31 (inf stays inf). Everything here needs only the bits that were loaded.
+//
+// No headers: the sources compile unchanged with nvcc (CI, PTX only) and NVRTC (CuPy RawModule).
+#pragma once
+
+#define ZERO_EXPONENT (-1024)
+#define NO_CONTRIBUTION (1 << 20)
+#define EO_CLAMP 16384
+#define NUM_THREADS 256
+
+// fp16 bits -> fp32, exact (PTX cvt; no cuda_fp16.h needed).
+__device__ __forceinline__ float half_bits_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// The bits a read of `width` (8, 12, 16) gives, from the loaded bits (unloaded planes are zero).
+__device__ __forceinline__ unsigned int read_bits(unsigned int kept, int width) {
+    const unsigned int fill = width == 8 ? 0x80u : (width == 12 ? 0x8u : 0u);
+    const bool as_is = ((kept & 0x7FFFu) == 0u) || (((kept >> 10) & 0x1Fu) == 31u);
+    return as_is ? kept : (kept | fill);
+}
+
+// floor(log2|x|) from the fp32 magnitude bits, exact for subnormals; zero -> ZERO_EXPONENT. Integer-only,
+// so CuPy's -ftz=true cannot flush it.
+__device__ __forceinline__ int floor_log2_bits(unsigned int magnitude) {
+    if (magnitude == 0u) return ZERO_EXPONENT;
+    const int field = (int)(magnitude >> 23);
+    if (field == 0) return -118 - __clz(magnitude);
+    return field - 127;
+}
+
+__device__ __forceinline__ int floor_log2f(float x) { return floor_log2_bits(__float_as_uint(x) & 0x7FFFFFFFu); }
+
+// fp32 multiply and add rounded to nearest that keep subnormals whatever -ftz says (CuPy passes -ftz=true);
+// the torch reference does not flush, and the value rule takes exponents of these results.
+__device__ __forceinline__ float mul_exact_rn(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float add_exact_rn(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// The precision-alignment tiers: thresholds are integer ceilings of (t12, t8), since gaps are integers.
+__device__ __forceinline__ int width_from_gap(int gap, int t12, int t8) {
+    return gap >= t8 ? 8 : (gap >= t12 ? 12 : 16);
+}
+
+// Exponent field of an 8-bit read of plane A counted as in kvquant.alignment: fields 0 (zero, subnormal) as 2^-15.
+__device__ __forceinline__ int plane_a_field(unsigned int a) { return (int)((a >> 2) & 0x1Fu); }
+
+// |v8|: the magnitude an 8-bit read of a high byte gives.
+__device__ __forceinline__ float high_byte_magnitude(unsigned int a) {
+    const unsigned int bits = read_bits(a << 8, 8) & 0x7FFFu;
+    return half_bits_to_float((unsigned short)bits);
+}
+
+// Max over `count` ints held by all threads of the block; `scratch` holds NUM_THREADS / 32 ints.
+__device__ __forceinline__ int block_max_int(int value, int* scratch) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const int other = __shfl_xor_sync(0xFFFFFFFFu, value, offset);
+        value = other > value ? other : value;
+    }
+    const int warp = threadIdx.x >> 5;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[warp] = value;
+    __syncthreads();
+    int result = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) result = scratch[w] > result ? scratch[w] : result;
+    return result;
+}

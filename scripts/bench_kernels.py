@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Decode attention on a GPU: torch fp16 SDPA vs the AlignedKV kernels vs their 16-bit control.
+
+    python scripts/bench_kernels.py                            # 4K..128K, batch 1 and 8, Llama-2-7B / Llama-3-8B shapes
+    python scripts/bench_kernels.py --contexts 4096,32768 --batches 1 --out bench.md
+
+One decode step (one query token per sequence) over a cache of ``context`` tokens, on K/V with
+Llama-like channel outliers (log-normal channel scales, a few channels 20x larger) and values with
+per-token scales; queries give logits of a few units. Times are CUDA-event medians after warm-up.
+
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on fp16 K/V (GQA without copies).
+- ``aligned`` / ``aligned+``: ``kernels_cupy.ops.aligned_attention`` (widths, QKᵀ, softmax, value
+  rule, SV) on the plane layout; ``aligned+`` uses per-block key exponents.
+- ``control``: the same kernels reading every plane, no rule (``full=True``).
+
+Bytes: ``KV MB`` counts what the kernels load from the planes at the widths they chose, plus the
+fp16 tail and metadata; ``all MB`` adds the fp32 score traffic (logits, softmax, top-k, SV). GB/s
+is all bytes over time, ``%copy`` that against a device-to-device copy measured in the same run
+(counted as bytes read + written). Needs only torch, numpy and cupy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SHAPES = {"llama2_7b": (32, 32, 128), "llama3_8b": (32, 8, 128)}  # q heads, kv heads, head_dim
+METHODS = ("sdpa", "aligned", "aligned+", "control")
+
+
+def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(n_bytes: int = 2**31, repeats: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * n_bytes / cuda_time(lambda: dst.copy_(src), repeats)
+
+
+def make_kv(batch: int, hq: int, hkv: int, d: int, n: int, seed: int = 0):
+    """fp16 K/V ``[b, hkv, n, d]`` with channel outliers, and fp16 queries ``[b, hq, 1, d]``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    channel = torch.exp(torch.randn(hkv, d, device="cuda", generator=gen))
+    outliers = torch.rand(hkv, d, device="cuda", generator=gen).argsort(dim=-1)[:, :4]
+    channel.scatter_(1, outliers, channel.gather(1, outliers) * 20)
+    k = torch.randn(batch, hkv, n, d, dtype=torch.float16, device="cuda", generator=gen)
+    k.mul_(channel.half()[None, :, None, :])
+    v = torch.randn(batch, hkv, n, d, dtype=torch.float16, device="cuda", generator=gen)
+    v.mul_(torch.exp(0.5 * torch.randn(batch, hkv, n, 1, device="cuda", generator=gen)).half())
+    rms = channel.pow(2).mean().sqrt()
+    q = (torch.randn(batch, hq, 1, d, device="cuda", generator=gen) * 3 / rms).half()
+    return k, v, q
+
+
+def kv_bytes(store, wk: torch.Tensor | None, wv: torch.Tensor | None, blockwise: bool) -> tuple[int, float, float]:
+    """``(bytes loaded from the cache, mean bits read per K element, per V element)`` for one step.
+
+    ``None`` widths mean the 16-bit control. Plane A is always loaded; B where the width is >= 12,
+    C where it is 16. Tail tokens are fp16; metadata is the fp16 max ``|K|`` (and block exponents).
+    """
+    b, h, n_tail, d = store.tail_k.shape
+    total = 2 * 2 * b * h * n_tail * d + 2 * b * h * d
+    bits_k = bits_v = 16.0
+    if store.k_a is not None:
+        n_blk, n_full = store.k_a.shape[2], store.n_full
+        if wk is None:
+            wk_blocks = torch.full((b, h, n_blk, d), 16, device=store.k_a.device)
+        else:
+            wk_blocks = wk if wk.dim() == 4 else wk[:, :, None, :].expand(b, h, n_blk, d)
+        wv_tokens = torch.full((b, h, n_full), 16, device=store.v_a.device) if wv is None else wv
+        k_extra = int((wk_blocks >= 12).sum()) + int((wk_blocks == 16).sum())
+        v_extra = int((wv_tokens >= 12).sum()) + int((wv_tokens == 16).sum())
+        total += 64 * b * h * n_blk * d + 32 * k_extra + d * b * h * n_full + (d // 2) * v_extra
+        if blockwise and store.k_exp is not None:
+            total += store.k_exp.numel()
+        bits_k = 8 + 4 * k_extra / max(1, wk_blocks.numel())
+        bits_v = 8 + 4 * v_extra / max(1, wv_tokens.numel())
+    return total, bits_k, bits_v
+
+
+def score_bytes(batch: int, hq: int, n: int, rule: bool) -> int:
+    """fp32 score traffic of one step: logits written, softmax read + written, SV reads (and the rule's reads)."""
+    per_row = 4 * n * (1 + 2 + 1 + (2 if rule else 0))  # write logits, softmax r/w, SV; top-k scan + row max
+    return batch * hq * per_row
+
+
+def bench_one(shape: str, batch: int, context: int, repeats: int, copy_bw: float) -> dict:
+    from kernels_cupy.ops import aligned_attention, append
+    from kvquant.alignment import PlaneStore
+
+    hq, hkv, d = SHAPES[shape]
+    k, v, q = make_kv(batch, hq, hkv, d, context)
+    store = PlaneStore(block_exponents=True)
+    append(store, k, v)
+    scaling = d**-0.5
+    row = {"shape": shape, "batch": batch, "context": context}
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=hq != hkv)
+
+    runs = {
+        "sdpa": sdpa,
+        "aligned": lambda: aligned_attention(store, q, None, scaling),
+        "aligned+": lambda: aligned_attention(store, q, None, scaling, blockwise=True),
+        "control": lambda: aligned_attention(store, q, None, scaling, full=True),
+    }
+    for name, fn in runs.items():
+        row[f"{name} ms"] = cuda_time(fn, repeats) * 1e3
+    fp16_bytes = 2 * 2 * batch * hkv * context * d
+    row["sdpa GB/s"] = fp16_bytes / row["sdpa ms"] * 1e-6
+    for name, blockwise, full in (("aligned", False, False), ("aligned+", True, False), ("control", False, True)):
+        _, wk, wv = runs[name]()
+        loaded, bits_k, bits_v = kv_bytes(store, wk, wv, blockwise)
+        moved = loaded + score_bytes(batch, hq, context, rule=not full)
+        row[f"{name} KV MB"] = loaded / 1e6
+        row[f"{name} GB/s"] = moved / row[f"{name} ms"] * 1e-6
+        row[f"{name} %copy"] = 100 * moved / (row[f"{name} ms"] * 1e-3) / copy_bw
+        if not full:
+            row[f"{name} bits K"], row[f"{name} bits V"] = bits_k, bits_v
+    row["fp16 KV MB"] = fp16_bytes / 1e6
+    return row
+
+
+COLUMNS = [
+    ("shape", "{}"),
+    ("batch", "{}"),
+    ("context", "{}"),
+    ("sdpa ms", "{:.3f}"),
+    ("aligned ms", "{:.3f}"),
+    ("aligned+ ms", "{:.3f}"),
+    ("control ms", "{:.3f}"),
+    ("sdpa/aligned", "{:.2f}"),
+    ("sdpa/aligned+", "{:.2f}"),
+    ("control/aligned", "{:.2f}"),
+    ("aligned bits K", "{:.2f}"),
+    ("aligned bits V", "{:.2f}"),
+    ("aligned+ bits K", "{:.2f}"),
+    ("fp16 KV MB", "{:.1f}"),
+    ("aligned KV MB", "{:.1f}"),
+    ("aligned GB/s", "{:.0f}"),
+    ("aligned %copy", "{:.0f}"),
+    ("control GB/s", "{:.0f}"),
+    ("control %copy", "{:.0f}"),
+    ("sdpa GB/s", "{:.0f}"),
+]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        row = dict(row)
+        if "sdpa ms" in row:
+            row["sdpa/aligned"] = row["sdpa ms"] / row["aligned ms"]
+            row["sdpa/aligned+"] = row["sdpa ms"] / row["aligned+ ms"]
+            row["control/aligned"] = row["control ms"] / row["aligned ms"]
+        cells = [fmt.format(row[name]) if name in row else row.get("note", "") for name, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--max-seconds", type=float, default=0.0, help="stop starting new configurations after this")
+    parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    args = parser.parse_args(argv)
+
+    from kernels_cupy import cupy_status
+
+    ok, why = cupy_status()
+    if not ok:
+        print(f"error: the kernels cannot run here: {why}", file=sys.stderr)
+        return 2
+    for shape in args.shapes.split(","):
+        if shape not in SHAPES:
+            print(f"error: unknown shape '{shape}'; valid: {', '.join(SHAPES)}", file=sys.stderr)
+            return 2
+    start = time.monotonic()
+    copy_bw = copy_bandwidth()
+    device = torch.cuda.get_device_name()
+    header = f"device: {device}; torch {torch.__version__}; measured D2D copy: {copy_bw / 1e9:.0f} GB/s (read + write)"
+    print(header, flush=True)
+    rows = []
+    for batch in (int(x) for x in args.batches.split(",")):
+        for shape in args.shapes.split(","):
+            for context in (int(x) for x in args.contexts.split(",")):
+                if args.max_seconds and time.monotonic() - start > args.max_seconds:
+                    rows.append({"shape": shape, "batch": batch, "context": context, "note": "skipped: time budget"})
+                    continue
+                try:
+                    rows.append(bench_one(shape, batch, context, args.repeats, copy_bw))
+                except torch.OutOfMemoryError:
+                    rows.append({"shape": shape, "batch": batch, "context": context, "note": "out of memory"})
+                torch.cuda.empty_cache()  # this configuration's K/V and planes are gone with bench_one's frame
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+                if args.out:  # rewritten after every row, so a cut-short run still leaves its table
+                    args.out.write_text(f"{header}\n\n{table(rows)}\n")
+    print(f"\n{header}\n\n{table(rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
