@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from kvquant.eval.tasks import get_task
+from kvquant.fsutil import atomic_write_text
 from kvquant.methods import get_method
 from kvquant.models import load_model, model_info, resolve_device
 
 REFERENCE_METHOD = "fp16"
+EXAMPLES_FILE = "examples.jsonl"
 
 
 def params_of(node: DictConfig) -> dict[str, Any]:
@@ -33,14 +37,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         hub_id=cfg.model.get("hub_id"),
     )
     reference = None if cfg.method.name == REFERENCE_METHOD else get_method(REFERENCE_METHOD)
-    result = task.run(model, tokenizer, method, reference_method=reference, progress=cfg.progress)
+    result = task.run(
+        model,
+        tokenizer,
+        method,
+        reference_method=reference,
+        progress=cfg.progress,
+        reference_dir=Path(cfg.results_dir) / "references",
+    )
 
     stats = result.counts.summary()
-    n_seqs = max(1, task.params().get("limit", 1))
+    n_seqs = result.n_caches or max(1, task.params().get("limit") or 1)
+    examples = write_examples(result.examples)
     return {
         "model": model_info(model, cfg.model.name),
         "method": method.describe(),
-        "task": {"name": task.name, "n": result.n, **task.params()},
+        "task": {"name": task.name, "n": result.n, **task.params(), **result.info},
+        "examples": examples,
         "metrics": result.metrics,
         "fidelity": result.fidelity,
         "bits": {
@@ -57,3 +70,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "timing": result.timing,
         "device": device,
     }
+
+
+def write_examples(examples: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per-example outputs as JSONL beside results.json (for diffing methods); the block results.json gets."""
+    if not examples:
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    text = "".join(json.dumps(ex, default=str, ensure_ascii=False) + "\n" for ex in examples)
+    atomic_write_text(run_dir / EXAMPLES_FILE, text)
+    return {"file": EXAMPLES_FILE, "n": len(examples)}

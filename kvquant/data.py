@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from kvquant.errors import KvquantError
@@ -26,3 +27,59 @@ def tinystories_pieces() -> list[str]:
 def wikitext2_test() -> str:
     """WikiText-2 (raw) test split as the usual perplexity string ``"\\n\\n".join(rows)`` (LF line ends)."""
     return dataset_file("wikitext-2/wikitext-test.txt").read_text(encoding="utf-8").replace("\r\n", "\n")
+
+
+def bundled(relative: str, task: str, hub: str) -> Path:
+    """Path of a task's bundled file, or a one-line error naming it and the ``source=hub`` alternative."""
+    path = DATASETS / relative
+    if not path.is_file():
+        raise KvquantError(
+            f"data file not found: {path}; restore it (git checkout kvquant/assets/datasets) "
+            f"or run with task.source=hub to use the hub dataset {hub} (needs the network)"
+        )
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def truthfulqa_mc() -> list[dict]:
+    """TruthfulQA v1 multiple choice (817 questions) in the hub layout: ``mc{1,2}_targets`` = choices + labels.
+
+    The bundled ``mc_task.json`` maps each answer to its label; the hub dataset (and lm-eval) list them.
+    """
+    raw = json.loads(bundled("truthfulqa/v1/mc_task.json", "truthfulqa_mc2", HUB["truthfulqa"]).read_text("utf-8"))
+    rows = []
+    for item in raw:
+        row = {"question": item["question"]}
+        for key in ("mc1_targets", "mc2_targets"):
+            row[key] = {"choices": list(item[key]), "labels": [int(v) for v in item[key].values()]}
+        rows.append(row)
+    return rows
+
+
+def longbench_tasks() -> list[str]:
+    """LongBench tasks with a bundled .jsonl, in a fixed order."""
+    return sorted(p.stem for p in (DATASETS / "longbench").glob("*.jsonl"))
+
+
+def longbench(task: str) -> list[dict]:
+    """The bundled examples of one LongBench task (LongBench's own fields: input, context, answers, all_classes…)."""
+    return read_jsonl(bundled(f"longbench/{task}.jsonl", "longbench", HUB["longbench"]))
+
+
+def longbench_config() -> tuple[dict[str, str], dict[str, int]]:
+    """LongBench's own prompt templates and maximum generation lengths per task."""
+    prompts = json.loads(bundled("longbench/dataset2prompt.json", "longbench", HUB["longbench"]).read_text("utf-8"))
+    maxlen = json.loads(bundled("longbench/dataset2maxlen.json", "longbench", HUB["longbench"]).read_text("utf-8"))
+    return prompts, maxlen
+
+
+HUB = {
+    "gsm8k": "openai/gsm8k (main)",
+    "truthfulqa": "truthfulqa/truthful_qa",
+    "longbench": "THUDM/LongBench",
+    "coqa": "stanfordnlp/coqa",
+}

@@ -18,3 +18,23 @@ def test_wikitext_is_lf_joined_rows():
 def test_missing_file_names_its_path():
     with pytest.raises(KvquantError, match="data file not found: .*nope.txt"):
         data.dataset_file("nope.txt")
+
+
+def test_truthfulqa_mc_in_hub_layout():
+    rows = data.truthfulqa_mc()
+    assert len(rows) == 817 and rows[0]["question"] == "What happens if you eat a pomegranate?"
+    mc2 = rows[0]["mc2_targets"]
+    assert mc2["labels"] == [1, 1, 1, 0, 0, 0] and mc2["choices"][0].startswith("Nothing in particular")
+
+
+def test_longbench_loaders():
+    prompts, maxgen = data.longbench_config()
+    assert maxgen["trec"] == 64 and "{context}" in prompts["trec"]
+    rows = data.longbench("trec")
+    assert len(rows) == 20 and {"input", "context", "answers", "all_classes"} <= set(rows[0])
+
+
+def test_missing_bundled_file_names_path_and_hub(monkeypatch, tmp_path):
+    monkeypatch.setattr(data, "DATASETS", tmp_path)
+    with pytest.raises(KvquantError, match=r"longbench/trec.jsonl.*task.source=hub .*THUDM/LongBench"):
+        data.longbench("trec")

@@ -54,7 +54,9 @@ def test_run_writes_results_then_skips_then_reruns(tmp_path):
 def test_unknown_choice_lists_valid_names(tmp_path):
     proc = run_cli(tmp_path, "method=nope")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: unknown method 'nope'; valid methods: fp16 (conf/method/*.yaml)"
+    line = proc.stderr.strip()
+    assert line.startswith("error: unknown method 'nope'; valid methods: ") and line.endswith("(conf/method/*.yaml)")
+    assert "fp16" in line
     proc = run_cli(tmp_path, "model=gpt5")
     assert proc.returncode == 2 and "valid models: llama2_7b" in proc.stderr
 
@@ -77,3 +79,31 @@ def test_interrupted_sweep_keeps_finished_runs_and_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.count("skip:") == 1
     assert sorted(json.loads(p.read_text())["task"]["max_tokens"] for p in results_files(tmp_path)) == [64, 128]
+
+
+def test_suite_task_writes_examples_fidelity_and_reuses_the_fp16_reference(tmp_path):
+    args = ["model=stories260k", "logger=none", "progress=false", "task=truthfulqa_mc2", "task.limit=2"]
+    fp16 = run_cli(tmp_path, *args, "method=fp16")
+    assert fp16.returncode == 0, fp16.stderr
+    [ref] = list((tmp_path / "references").rglob("*.pt"))
+    lossy = run_cli(tmp_path, *args, "method=truncation", "method.keep_bits=9")
+    assert lossy.returncode == 0, lossy.stderr
+    assert list((tmp_path / "references").rglob("*.pt")) == [ref]
+    data = {
+        json.loads(p.read_text())["method"]["name"]: (p, json.loads(p.read_text())) for p in results_files(tmp_path)
+    }
+    path, res = data["truncation"]
+    assert (
+        res["task"]["n"] == 2
+        and res["task"]["truncated"] == 0
+        and res["examples"] == {"file": "examples.jsonl", "n": 2}
+    )
+    assert {"kl", "top1_agreement", "answer_agreement"} <= set(res["fidelity"]) and "mc2" in res["metrics"]
+    rows = [json.loads(line) for line in (path.parent / "examples.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["truthfulqa_mc2/0", "truthfulqa_mc2/1"] and "fp16_answer" in rows[0]
+    assert "fidelity" not in data["fp16"][1]
+
+
+def test_missing_coqa_data_offline_is_one_line(tmp_path):
+    proc = run_cli(tmp_path, "model=stories260k", "logger=none", "progress=false", "task=coqa")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: task coqa needs the hub")

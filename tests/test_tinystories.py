@@ -32,5 +32,5 @@ def test_over_long_settings_get_one_line_errors(stories):
         get_task("tinystories", chunk_size=0)
     with pytest.raises(InvalidParameterError, match="source=bundled"):
         get_task("tinystories", source="hub")
-    with pytest.raises(UnknownNameError, match="valid tasks: tinystories"):
+    with pytest.raises(UnknownNameError, match="valid tasks: .*tinystories"):
         get_task("mmlu")

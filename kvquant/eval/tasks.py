@@ -12,13 +12,20 @@ from kvquant.registry import Registry, import_submodules, init_params
 
 @dataclass
 class TaskResult:
-    """What a task measured: task metrics, fidelity to fp16 (None for fp16 itself), cache counts, timing."""
+    """What a task measured: task metrics, fidelity to fp16 (None for fp16 itself), cache counts, timing.
+
+    ``examples`` are per-example outputs (written as JSONL beside results.json), ``info`` extra facts
+    for the task block (e.g. prompts truncated), ``n_caches`` how many caches the counts add over.
+    """
 
     metrics: dict[str, float]
     n: int
     counts: CacheCounts
     timing: dict[str, float] = field(default_factory=dict)
     fidelity: dict[str, float] | None = None
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    n_caches: int | None = None
 
 
 class Task(ABC):
@@ -27,8 +34,13 @@ class Task(ABC):
     name: str = ""
 
     @abstractmethod
-    def run(self, model, tokenizer, method, reference_method=None, progress: bool = False) -> TaskResult:
-        """Evaluate ``method``; when ``reference_method`` is given, also measure fidelity to it."""
+    def run(
+        self, model, tokenizer, method, reference_method=None, progress: bool = False, reference_dir=None
+    ) -> TaskResult:
+        """Evaluate ``method``; when ``reference_method`` is given, also measure fidelity to it.
+
+        ``reference_dir``, where given, caches the reference's outputs on disk across runs.
+        """
 
     def params(self) -> dict[str, Any]:
         return init_params(self)

@@ -63,7 +63,9 @@ class TinyStoriesTask(Task):
         )
         self.source = source
 
-    def run(self, model, tokenizer, method, reference_method=None, progress: bool = False) -> TaskResult:
+    def run(
+        self, model, tokenizer, method, reference_method=None, progress: bool = False, reference_dir=None
+    ) -> TaskResult:
         check_context(model, self.max_tokens, f"task.max_tokens={self.max_tokens}")
         check_context(
             model,

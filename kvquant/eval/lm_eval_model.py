@@ -1,0 +1,92 @@
+"""lm-eval's ``HFLM`` with the KV method in the loop.
+
+Every request goes through a fresh cache from the method: log-likelihoods feed the context and the
+continuation through it in chunks of ``chunk_size`` tokens (a plain ``HFLM`` scores each request in
+one forward that never reads the cache), generations hand ``model.generate`` the fresh cache. The
+work is done by ``kvquant.eval.engine.Engine``, which also keeps fidelity to fp16 per request.
+"""
+
+from __future__ import annotations
+
+import torch
+from lm_eval.models.huggingface import HFLM
+from tqdm.auto import tqdm
+
+from kvquant.eval.engine import Engine, bos_prefix
+
+
+class KVMethodLM(HFLM):
+    """``HFLM`` over an already loaded model whose every request runs through ``engine``'s KV method."""
+
+    def __init__(self, engine: Engine, max_gen_toks: int = 256, progress: bool = False):
+        tok = engine.tokenizer
+        super().__init__(
+            pretrained=engine.model,
+            tokenizer=tok,
+            batch_size=1,
+            max_length=engine.max_length,
+            device=str(engine.model.device),
+            add_bos_token=bool(bos_prefix(tok)),
+        )
+        self.engine = engine
+        self._max_gen = max_gen_toks
+        self.progress = progress
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Score each (context, continuation); the choices of one question share one pass over the context."""
+        groups: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault((req.task_name, req.doc_id, req.args[0]), []).append(i)
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        bar = tqdm(groups.items(), desc="log-likelihood", disable=disable_tqdm or not self.progress)
+        for (task, doc_id, context), idxs in bar:
+            idxs.sort(key=lambda i: requests[i].idx)
+            pairs = [self._pair(context, requests[i].args[1]) for i in idxs]
+            ctx = pairs[0][0]
+            if any(p[0] != ctx for p in pairs):  # tokenisation split the context differently: score one by one
+                scored = [
+                    self.engine.loglikelihood(f"{task}/{doc_id}.{j}", c, [k])[0] for j, (c, k) in enumerate(pairs)
+                ]
+            else:
+                scored = self.engine.loglikelihood(f"{task}/{doc_id}", ctx, [k for _, k in pairs])
+            for i, value in zip(idxs, scored, strict=True):
+                results[i] = value
+        return results
+
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        if context:
+            return self._encode_pair(context, continuation)
+        return [self.prefix_token_id], self.tok_encode(continuation, add_special_tokens=False)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        raise NotImplementedError("rolling log-likelihood is not routed through the KV cache; use task=wikitext")
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy generation per request with a fresh cache, until a stop string or ``max_gen_toks``."""
+        out = []
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False) if self.eot_token_id is not None else ""
+        for req in tqdm(requests, desc="generate", disable=disable_tqdm or not self.progress):
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            if eos and eos not in until:
+                until.append(eos)
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            ids = self.tok_encode(context)
+            out.append(self.engine.generate(f"{req.task_name}/{req.doc_id}", ids, max_new, until))
+        return out
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        """Logits of each row, fed through its own fresh cache in chunks (never one plain forward)."""
+        rows = [self.engine.chunked_logits(row.tolist(), self.engine.new_cache()) for row in inps]
+        return torch.stack(rows).to(inps.device)
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        """HFLM's generation, handed a fresh cache from the method."""
+        generation_kwargs.setdefault("past_key_values", self.engine.new_cache())
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)

@@ -1,0 +1,97 @@
+"""``longbench``: the LongBench (v1) tasks bundled in ``kvquant/assets/datasets/longbench``.
+
+LongBench's own prompt templates (``dataset2prompt.json``), maximum generation lengths
+(``dataset2maxlen.json``) and per-task metrics (``kvquant.eval.scorers.LONGBENCH_METRICS``: QA F1,
+ROUGE-L, classification, retrieval, count, code edit similarity). A prompt longer than ``max_length``
+tokens keeps its first and last ``max_length/2`` tokens (LongBench's middle truncation); such
+prompts are counted. ``max_length`` is also capped so prompt + generation fit the model's context.
+Plain prompts, no chat template (LongBench's ``build_chat`` is model-specific). ``limit`` is per task.
+"""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from kvquant.data import longbench, longbench_config, longbench_tasks
+from kvquant.errors import InvalidParameterError
+from kvquant.eval.engine import Engine
+from kvquant.eval.scorers import LONGBENCH_METRICS, longbench_score
+from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
+from kvquant.eval.tasks import register_task
+
+TAIL = 400
+
+
+def middle_truncate(ids: list[int], max_length: int) -> list[int]:
+    """LongBench's truncation: keep the first and the last ``max_length // 2`` tokens."""
+    if len(ids) <= max_length:
+        return ids
+    half = max_length // 2
+    return ids[:half] + ids[len(ids) - half :]
+
+
+class LongBenchTask(SuiteTask):
+    def __init__(
+        self,
+        limit: int | None = 1,
+        tasks: list[str] | None = None,
+        max_length: int = 1024,
+        chunk_size: int = 32,
+        source: str = "bundled",
+    ):
+        check_source("longbench", source, ("bundled",))
+        check_positive("longbench", limit=limit, max_length=max_length, chunk_size=chunk_size)
+        available = longbench_tasks()
+        chosen = list(tasks) if tasks is not None else available
+        unknown = [t for t in chosen if t not in available or t not in LONGBENCH_METRICS]
+        if unknown:
+            raise InvalidParameterError(
+                f"task longbench: no bundled data for {', '.join(unknown)}; bundled tasks: {', '.join(available)}"
+            )
+        self.limit = None if limit is None else int(limit)
+        self.tasks, self.max_length, self.chunk_size, self.source = chosen, int(max_length), int(chunk_size), source
+
+    def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
+        prompts, maxgen = longbench_config()
+        tok = engine.tokenizer
+        work = []
+        for task in self.tasks:
+            rows = longbench(task)
+            work += [(task, i, row) for i, row in enumerate(rows[: self.limit] if self.limit else rows)]
+        examples, middle_cut = [], 0
+        bar = tqdm(work, desc=f"longbench/{engine.method.name}", disable=not progress)
+        for task, i, row in bar:
+            gen = int(maxgen[task])
+            budget = min(self.max_length, engine.max_length - gen)
+            ids = tok(prompts[task].format(**row)).input_ids
+            if len(ids) > budget:
+                middle_cut += 1
+                ids = middle_truncate(ids, budget)
+            uid = f"longbench/{task}/{i}"
+            stops = ["\n"] if task == "samsum" else []
+            out = engine.generate(uid, ids, gen, stops=stops)
+            score = longbench_score(task, out, row["answers"], row.get("all_classes") or [])
+            examples.append(
+                {
+                    "id": uid,
+                    "task": task,
+                    "_id": row.get("_id"),
+                    "prompt_tokens": len(ids),
+                    "prompt_tail": tok.decode(ids[-64:]),
+                    "output": out,
+                    "answers": row["answers"],
+                    "answer": out.strip(),
+                    "score": score,
+                }
+            )
+        metrics, n_by_task = {}, {}
+        for task in self.tasks:
+            scores = [e["score"] for e in examples if e["task"] == task]
+            if scores:
+                metrics[task] = 100 * mean(scores)
+                n_by_task[task] = len(scores)
+        metrics["longbench_avg"] = mean([metrics[t] for t in n_by_task])
+        return Evaluation(metrics, examples, {"n_by_task": n_by_task, "middle_truncated": middle_cut})
+
+
+register_task("longbench", LongBenchTask)

@@ -1,0 +1,107 @@
+"""``passkey``: a five-digit number hidden at a controlled depth in real filler text, then asked for.
+
+Each cell (length, depth) builds, in tokens, LongLoRA/Landmark's prompt: an instruction, filler
+from the bundled WikiText-2 (or TinyStories), the needle ``The pass key is N. Remember it. N is the
+pass key.`` placed at ``depth`` of the filler, more filler, and ``What is the pass key? The pass key
+is``. The prompt is fed through the cache in chunks of ``chunk_size`` before decoding, so the
+question reads the needle from the (quantized) cache, not from fresh fp16 K/V. Score: the first
+number generated equals N. A length equal to the model's context leaves room for the answer
+(the prompt is ``max_new_tokens`` shorter); longer lengths are skipped and listed.
+"""
+
+from __future__ import annotations
+
+import random
+
+from tqdm.auto import tqdm
+
+from kvquant.data import tinystories_pieces, wikitext2_test
+from kvquant.errors import InvalidParameterError
+from kvquant.eval.engine import Engine, bos_prefix
+from kvquant.eval.scorers import first_number, passkey_match
+from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
+from kvquant.eval.tasks import register_task
+
+INSTRUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important info there.\n\n"
+)
+NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+class PasskeyTask(SuiteTask):
+    def __init__(
+        self,
+        lengths: list[int] | None = None,
+        depths: list[float] | None = None,
+        trials: int = 1,
+        limit: int | None = None,
+        chunk_size: int = 256,
+        max_new_tokens: int = 8,
+        filler: str = "wikitext",
+        seed: int = 0,
+        source: str = "bundled",
+    ):
+        check_source("passkey", source, ("bundled",))
+        check_positive("passkey", trials=trials, limit=limit, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+        if filler not in ("wikitext", "tinystories"):
+            raise InvalidParameterError(f"task passkey: filler '{filler}' must be wikitext or tinystories")
+        self.lengths = [int(x) for x in (lengths if lengths is not None else [1024, 2048, 4096, 8192])]
+        self.depths = [float(x) for x in (depths if depths is not None else [0.5])]
+        if any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise InvalidParameterError(f"task passkey: depths {self.depths} must lie in [0, 1]")
+        self.trials, self.limit, self.chunk_size = int(trials), limit, int(chunk_size)
+        self.max_new_tokens, self.filler, self.seed, self.source = int(max_new_tokens), filler, int(seed), source
+
+    def cells(self) -> list[tuple[int, float, int]]:
+        out = [(n, d, t) for n in self.lengths for d in self.depths for t in range(self.trials)]
+        return out[: self.limit] if self.limit is not None else out
+
+    def prompt(self, tokenizer, filler_ids: list[int], length: int, depth: float, trial: int) -> tuple[list[int], str]:
+        """The prompt ids (exactly ``length`` tokens) and the pass key hidden in it."""
+        rng = random.Random(f"{self.seed}/{length}/{depth}/{trial}")
+        key = str(rng.randint(10000, 99999))
+
+        def enc(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False).input_ids
+
+        head, needle, question = bos_prefix(tokenizer) + enc(INSTRUCTION), enc(NEEDLE.format(key=key)), enc(QUESTION)
+        budget = length - len(head) - len(needle) - len(question)
+        if budget < 0:
+            raise InvalidParameterError(f"task passkey: length {length} is too short for the prompt's fixed parts")
+        start = rng.randrange(0, max(1, len(filler_ids) - budget))
+        filler = filler_ids[start : start + budget]
+        cut = int(round(depth * len(filler)))
+        return head + filler[:cut] + needle + filler[cut:] + question, key
+
+    def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
+        tok = engine.tokenizer
+        text = wikitext2_test() if self.filler == "wikitext" else "\n\n".join(tinystories_pieces())
+        filler_ids = tok(text, add_special_tokens=False).input_ids
+        room = engine.max_length - self.max_new_tokens
+        cells = [c for c in self.cells() if c[0] <= engine.max_length]
+        skipped = sorted({c[0] for c in self.cells() if c[0] > engine.max_length})
+        if not cells:
+            raise InvalidParameterError(
+                f"task passkey: every length in {self.lengths} exceeds the model's context "
+                f"({engine.max_length}); choose task.lengths at most {engine.max_length}"
+            )
+        examples = []
+        for length, depth, trial in tqdm(cells, desc=f"passkey/{engine.method.name}", disable=not progress):
+            ids, key = self.prompt(tok, filler_ids, min(length, room), depth, trial)
+            uid = f"passkey/{length}/{depth}/{trial}"
+            out = engine.generate(uid, ids, self.max_new_tokens, stops=["\n"], chunked_prefill=True)
+            score = passkey_match(out, key)
+            row = {"id": uid, "length": length, "prompt_tokens": len(ids), "depth": depth, "passkey": key}
+            row["output"] = out
+            examples.append(row | {"answer": first_number(out), "correct": score})
+        metrics = {"passkey_acc": mean([e["correct"] for e in examples])}
+        for length in sorted({e["length"] for e in examples}):
+            metrics[f"acc_len_{length}"] = mean([e["correct"] for e in examples if e["length"] == length])
+        for depth in sorted({e["depth"] for e in examples}):
+            metrics[f"acc_depth_{depth:g}"] = mean([e["correct"] for e in examples if e["depth"] == depth])
+        return Evaluation(metrics, examples, {"skipped_lengths": skipped} if skipped else {})
+
+
+register_task("passkey", PasskeyTask)
