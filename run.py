@@ -7,6 +7,7 @@ forces), dispatches to ``experiments/<runner>.py``, writes results.json atomical
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import sys
 import time
@@ -50,6 +51,13 @@ def print_table(cfg: DictConfig, results: dict) -> None:
         print(f"  {key:<{width}}  {shown}")
 
 
+def read_examples(path: Path) -> list[dict] | None:
+    """Per-example outputs a task wrote beside results.json, if any."""
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def execute(cfg: DictConfig) -> dict | None:
     config = OmegaConf.to_container(cfg, resolve=True)
     digest = config_hash(config)
@@ -82,6 +90,7 @@ def execute(cfg: DictConfig) -> dict | None:
             mode=cfg.logger.mode,
             tags=list(cfg.logger.tags),
             name=f"{cfg.model.name}-{cfg.method.name}-{cfg.task.name}",
+            examples=read_examples(Path(run_dir) / "examples.jsonl"),
         )
     return results
 

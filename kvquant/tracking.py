@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
 
 from kvquant.results import flatten
+
+
+def _cell(value: Any) -> Any:
+    return value if value is None or isinstance(value, (int, float, str, bool)) else json.dumps(value, default=str)
 
 
 def log_to_wandb(
@@ -17,6 +22,7 @@ def log_to_wandb(
     mode: str | None = None,
     tags: list[str] | None = None,
     name: str | None = None,
+    examples: list[dict[str, Any]] | None = None,
 ) -> bool:
     """Log config, metrics and a one-row results table; return False (with a warning) on any failure.
 
@@ -49,6 +55,10 @@ def log_to_wandb(
         if series:  # mean bits read at each sequence length (AlignedKV-style methods)
             rows = [list(r) for r in zip(*series.values(), strict=True)]
             run.log({"bits_by_position": wandb.Table(columns=list(series), data=rows)})
+        if examples:  # per-example outputs, for diffing methods in the W&B UI
+            columns = sorted({key for example in examples for key in example})
+            data = [[_cell(example.get(c)) for c in columns] for example in examples]
+            run.log({"examples": wandb.Table(columns=columns, data=data)})
         run.finish()
         return True
     except Exception as exc:  # W&B must never cost the local results

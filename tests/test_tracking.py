@@ -10,7 +10,8 @@ RESULTS = {
 
 def test_offline_run_is_written_for_wandb_sync(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    assert log_to_wandb(RESULTS, str(tmp_path), project="kvquant-test")
+    examples = [{"id": 1, "output": "4", "target": {"answer": 4}}, {"id": 2, "output": "x"}]
+    assert log_to_wandb(RESULTS, str(tmp_path), project="kvquant-test", examples=examples)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
 
