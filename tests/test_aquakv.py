@@ -1,0 +1,274 @@
+"""AQUA-KV and HIGGS caches on stories260k: calibration, predictor files, storage, RoPE, consistency."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import ROOT
+
+from kvquant import get_method
+from kvquant.data import tinystories_pieces
+from kvquant.errors import InvalidParameterError, KvquantError
+from kvquant.eval.perplexity import chunked_nll
+from kvquant.methods.aquakv import (
+    SINK,
+    WINDOW,
+    PredictorFileError,
+    Predictors,
+    encode_pair,
+    model_identity,
+    rope_tables,
+    to_rows,
+    undo_rope,
+)
+
+NAMES = ["higgs", "aquakv", "aquakv_k_only", "aquakv_v_only"]
+CALIB = {"n_seqs": 4, "seq_len": 256, "seed": 0, "progress": False, "log": None}
+
+
+@pytest.fixture(scope="module")
+def pred_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("predictors")
+
+
+@pytest.fixture(scope="module")
+def calibrated(stories, pred_dir):
+    """The 2-bit aquakv predictors for stories260k, saved where the method looks for them."""
+    model, tok = stories
+    method = get_method("aquakv")
+    pred = method.calibrate(model, tok, **CALIB)
+    path = method.default_path(model_identity(model.config), method.quantizers(model.config))
+    path = pred_dir / path.relative_to(path.parents[1])
+    pred.save(path)
+    return pred, path
+
+
+@pytest.fixture
+def env_dir(monkeypatch, pred_dir):
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(pred_dir))
+    return pred_dir
+
+
+def story_ids(tok, n_tokens, start=0):
+    text = "\n\n".join(tinystories_pieces()[start : start + 12])
+    ids = tok(text, return_tensors="pt").input_ids[0][:n_tokens]
+    assert ids.numel() == n_tokens
+    return ids
+
+
+def feed(model, ids, cache, chunk):
+    """Every token of ``ids`` through ``cache``, ``chunk`` at a time."""
+    with torch.no_grad():
+        for start in range(0, ids.numel(), chunk):
+            model(input_ids=ids[start : start + chunk].view(1, -1), past_key_values=cache, use_cache=True)
+
+
+def record_inputs(cache):
+    """Wrap each layer's update to keep what the model handed it (post-RoPE K, V) and what it returned."""
+    seen = {i: {"k": [], "v": [], "out": None} for i in range(len(cache.layers))}
+    for layer in cache.layers:
+
+        def wrapped(k, v, *args, _layer=layer, _orig=layer.update, **kwargs):
+            seen[_layer.layer_idx]["k"].append(k.detach().clone())
+            seen[_layer.layer_idx]["v"].append(v.detach().clone())
+            out = _orig(k, v, *args, **kwargs)
+            seen[_layer.layer_idx]["out"] = out
+            return out
+
+        layer.update = wrapped
+    return seen
+
+
+def test_methods_default_to_two_bits_and_take_2_3_4():
+    for name in NAMES:
+        assert get_method(name).bits == 2 and get_method(name, bits=4).bits == 4
+        with pytest.raises(InvalidParameterError, match="bits must be one of 2, 3, 4"):
+            get_method(name, bits=5)
+    assert get_method("aquakv_k_only").predict == "k" and get_method("aquakv_v_only").predict == "v"
+    assert {p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")} >= set(NAMES)
+
+
+def test_missing_predictor_file_names_the_calibrate_command(stories, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(tmp_path))
+    with pytest.raises(PredictorFileError) as err:
+        get_method("aquakv_v_only", bits=3).new_cache(stories[0])
+    msg = str(err.value)
+    assert "\n" not in msg and str(tmp_path) in msg
+    assert "python run.py experiment=calibrate method=aquakv_v_only model=stories260k method.bits=3" in msg
+
+
+def test_calibration_is_deterministic_and_predictors_beat_higgs_alone(stories, calibrated):
+    pred, path = calibrated
+    again = get_method("aquakv").calibrate(*stories, **CALIB)
+    assert pred.tensors().keys() == again.tensors().keys() and len(pred.k) == len(pred.v) == 4  # layers 1..4
+    for name, t in pred.tensors().items():
+        assert torch.equal(t, again.tensors()[name]), name
+    assert pred.header["fit"] == again.header["fit"]
+    loaded = Predictors.load(path)
+    assert loaded.header["model"]["id"].startswith("stories260k") and loaded.header["data"]["tokens"] == 1024
+    assert loaded.header["quantizer"]["bits"] == 2 and loaded.header["lambda"] == 1e-3
+    assert {"k_rel_mse", "v_rel_mse", "k_equivalent_bits"} <= set(loaded.header["fit"][1])
+    for kind in ("k", "v"):
+        rows = loaded.header["fit"][1:]
+        with_pred = sum(r[f"{kind}_rel_mse"] for r in rows)
+        alone = sum(r[f"{kind}_rel_mse_higgs"] for r in rows)
+        assert with_pred < 0.8 * alone, (kind, with_pred, alone)
+
+
+def test_file_for_another_quantizer_or_model_is_refused_naming_both(stories, calibrated, tmp_path):
+    pred, path = calibrated
+    with pytest.raises(PredictorFileError) as err:
+        get_method("aquakv", bits=3, predictors=str(path)).new_cache(stories[0])
+    assert '"bits": 2' in str(err.value) and '"bits": 3' in str(err.value)
+    other = Predictors({**pred.header, "model": {"id": "some-other-model", "config_hash": "0" * 12}}, pred.k, pred.v)
+    other_path = other.save(tmp_path / "other.safetensors")
+    with pytest.raises(PredictorFileError) as err:
+        get_method("aquakv", predictors=str(other_path)).new_cache(stories[0])
+    assert "some-other-model" in str(err.value) and model_identity(stories[0].config)["id"] in str(err.value)
+
+
+def test_cache_reconstruction_is_the_calibration_rule_in_chunks(stories, calibrated, env_dir):
+    """Chunked prefill through the cache stores exactly what the offline rule encodes, layer by layer."""
+    model, tok = stories
+    pred, _ = calibrated
+    cache = get_method("aquakv").new_cache(model)
+    seen = record_inputs(cache)
+    feed(model, story_ids(tok, 300), cache, 40)
+    n_q = 300 - SINK - WINDOW
+    cos, sin = rope_tables(model.model.rotary_emb, torch.arange(SINK, SINK + n_q).unsqueeze(0))
+    prev_k = prev_v = None
+    for layer in range(len(cache.layers)):
+        k = torch.cat(seen[layer]["k"], dim=2)[:, :, SINK : SINK + n_q].half().float()
+        v = torch.cat(seen[layer]["v"], dim=2)[:, :, SINK : SINK + n_q].half().float()
+        k, v = to_rows(undo_rope(k, cos, sin)), to_rows(v)
+        quant = cache.layers[layer].quant
+        _, rk, _, rv = encode_pair(quant, pred.k.get(layer), pred.v.get(layer), k, v, prev_k, prev_v)
+        got_k, got_v = cache.reconstruct(layer)
+        assert got_k.shape == rk.shape == (1, n_q, 32)
+        for got, ref in ((got_k, rk), (got_v, rv)):  # equal but for rare code flips at near-ties of the grid
+            assert torch.isclose(got, ref, rtol=1e-4, atol=1e-4).float().mean() > 0.99
+            assert (got - ref).pow(2).sum() < 1e-3 * ref.pow(2).sum()
+        prev_k, prev_v = rk, rv
+
+
+def test_returned_keys_are_rotated_back_correctly(stories):
+    """Sinks and window come back as handed in; quantized keys with 4-bit error, not a RoPE mismatch."""
+    model, tok = stories
+    cache = get_method("higgs", bits=4).new_cache(model)
+    seen = record_inputs(cache)
+    feed(model, story_ids(tok, 260), cache, 64)
+    q = slice(SINK, 260 - WINDOW)
+    for layer in range(len(cache.layers)):
+        ref = torch.cat(seen[layer]["k"], dim=2)
+        got = seen[layer]["out"][0]
+        assert got.shape == ref.shape
+        assert torch.equal(got[:, :, :SINK], ref[:, :, :SINK].half().float())
+        assert torch.equal(got[:, :, q.stop :], ref[:, :, q.stop :].half().float())
+        err = ((got[:, :, q] - ref[:, :, q]).pow(2).sum() / ref[:, :, q].pow(2).sum()).item()
+        assert err < 0.02, (layer, err)
+
+
+def test_stats_count_every_byte_and_report_predictors_apart(stories, calibrated, env_dir):
+    model, tok = stories
+    pred, _ = calibrated
+    cache = get_method("aquakv").new_cache(model)
+    chunked_nll(model, story_ids(tok, 400), cache, 32)
+    s = cache.stats()
+    assert s["bytes"] == sum(s["bytes_by_part"].values())
+    assert s["bits_stored"] == pytest.approx(8 * s["bytes"] / s["elements"])
+    assert s["elements"] == 2 * 5 * 400 * 32  # K and V, 5 layers, 400 tokens, 4 heads x 8
+    fp16_bytes = s["bytes_by_part"]["sinks"] + s["bytes_by_part"]["window"]
+    assert fp16_bytes == 2 * 5 * (SINK + WINDOW) * 32 * 2
+    assert s["predictor_bytes"] == pred.nbytes() > 0
+    assert s["bits_stored"] < 16 and s["bits_read"] > 0
+
+
+def test_chunking_and_decode_store_the_same_codes(stories, calibrated, env_dir):
+    """Prefill chunks then one-token decode steps store what one chunking of the same text stores."""
+    model, tok = stories
+    ids = story_ids(tok, 160, start=20)
+    decoded = get_method("aquakv").new_cache(model)
+    feed(model, ids[:130], decoded, 45)
+    feed(model, ids[130:], decoded, 1)
+    chunked = get_method("aquakv").new_cache(model)
+    feed(model, ids, chunked, 40)
+    for a, b in zip(decoded.layers, chunked.layers, strict=True):
+        assert a.n_quant == b.n_quant == 160 - SINK - WINDOW
+        assert (a.qk.codes == b.qk.codes).float().mean() > 0.99 and (a.qv.codes == b.qv.codes).float().mean() > 0.99
+
+
+def test_generate_and_ppl_beat_higgs(stories, calibrated, env_dir):
+    model, tok = stories
+    cache = get_method("aquakv").new_cache(model)
+    prompt = tok("Once upon a time", return_tensors="pt")
+    out = model.generate(**prompt, past_key_values=cache, max_new_tokens=140, do_sample=False)
+    assert cache.get_seq_length() == out.shape[1] - 1 and cache.layers[0].n_quant > 0
+    ids = story_ids(tok, 400, start=40)
+    nll = {}
+    for name, kw in (("higgs", {"first_layer_bits": 4}), ("aquakv", {})):
+        nll[name] = chunked_nll(model, ids, get_method(name, **kw).new_cache(model), 50)[0]
+    assert nll["aquakv"] < nll["higgs"]
+
+
+def test_ablations_calibrate_only_their_predictors(stories):
+    k_only = get_method("aquakv_k_only").calibrate(*stories, **{**CALIB, "n_seqs": 2})
+    v_only = get_method("aquakv_v_only").calibrate(*stories, **{**CALIB, "n_seqs": 2})
+    assert sorted(k_only.k) == [1, 2, 3, 4] and not k_only.v
+    assert sorted(v_only.v) == [1, 2, 3, 4] and not v_only.k
+    assert v_only.v[1][0].shape == (64, 32)  # [reconstructed keys of l, values of l-1] -> values of l
+
+
+def test_transformers_5_17_positional_cache_kwargs(stories):
+    """5.17 hands ``{cos, sin, cache_position}`` positionally: positions come from it, and cos/sin are checked."""
+    model, _ = stories
+    cache = get_method("higgs").new_cache(model)
+    rotary = model.model.rotary_emb
+    pos = torch.arange(10, 150).unsqueeze(0)
+    cos, sin = rotary(torch.zeros(1), pos)
+    k, v = torch.randn(1, 4, 140, 8), torch.randn(1, 4, 140, 8)
+    cache.update(k, v, 0, {"cos": cos, "sin": sin, "cache_position": pos[0]})
+    assert cache.positions[0].tolist() == list(range(10, 150))
+    bad = get_method("higgs").new_cache(model)
+    with pytest.raises(KvquantError, match="cos/sin"):
+        bad.update(k, v, 0, {"cos": cos, "sin": sin, "cache_position": pos[0] + 1})
+
+
+def test_group_without_hadamard_transform_is_padded_and_said():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=20,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=10,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = get_method("higgs").new_cache(model)
+    assert any("zero-padded to 12" in str(w.message) for w in caught)
+    chunked_nll(model, torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0)), cache, 50)
+    assert cache.layers[1].n_quant == 200 - SINK - WINDOW
+
+
+def test_calibrate_experiment_writes_the_file_the_method_loads(stories, tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.calibrate import run
+
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(tmp_path))
+    overrides = ["experiment=calibrate", "model=stories260k", "method=aquakv", "method.bits=3", "progress=false"]
+    overrides += ["experiment.n_seqs=2", "experiment.seq_len=128", "device=cpu"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    result = run(cfg)
+    assert result["task"]["name"] == "calibrate" and result["task"]["tokens"] == 256
+    assert result["metrics"]["predictor_bytes"] > 0 and len(result["calibration"]["layers"]) == 5
+    json.dumps(result)
+    cache = get_method("aquakv", bits=3).new_cache(stories[0])
+    assert cache.predictors is not None and cache.predictors.header["quantizer"]["bits"] == 3
