@@ -11,19 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from experiments.evaluate import params_of
 from kvquant.errors import KvquantError
 from kvquant.methods import get_method
 from kvquant.methods.aquakv import AquaKVMethod, model_identity
 from kvquant.models import load_model, model_info, resolve_device
-
-
-def params_of(node: DictConfig) -> dict[str, Any]:
-    """A config group's parameters: everything but its ``name``."""
-    data = OmegaConf.to_container(node, resolve=True)
-    data.pop("name", None)
-    return data
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 """Convert a llama2.c checkpoint (legacy v0 .bin) + SentencePiece tokenizer into a HF Llama folder.
 
     python scripts/convert_llama2c.py kvquant/assets/models/stories260K/stories260K.bin \\
-        kvquant/assets/models/stories260K/tok512.model /tmp/stories260k-hf
+        kvquant/assets/models/stories260K/tok512.model stories260k-hf
 
 The same converter ``kvquant.load_model("stories260k")`` runs on first use.
 """
