@@ -124,6 +124,23 @@ def to_fp16_checked(x: torch.Tensor, layer_idx: int | None, what: str) -> torch.
     return x.to(torch.float16)
 
 
+def whole_bit_widths(n_compressed: int, compressed_bits: int, n_fp16: int) -> dict[int, int]:
+    """Element counts per whole-bit width whose total is exactly ``compressed_bits + 16·n_fp16``.
+
+    For methods whose compressed part costs a fractional width (codes plus scales): the elements are
+    split between ⌊w⌋ and ⌈w⌉ so that totals and means stay exact.
+    """
+    widths: Counter = Counter()
+    if n_compressed:
+        low, extra = divmod(compressed_bits, n_compressed)
+        widths[low] += n_compressed - extra
+        if extra:
+            widths[low + 1] += extra
+    if n_fp16:
+        widths[16] += n_fp16
+    return dict(widths)
+
+
 def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,6 +91,24 @@ def load_script(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_experiment(tmp_path: Path, *overrides: str) -> Path:
+    """``run.py experiment=… model=stories260k`` in a subprocess; returns the figures folder it wrote."""
+    args = [
+        sys.executable,
+        str(ROOT / "run.py"),
+        "model=stories260k",
+        "logger=none",
+        "progress=false",
+        f"results_dir={tmp_path / 'out'}",
+        f"experiment.figures_dir={tmp_path / 'fig'}",
+        *overrides,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return tmp_path / "fig"
 
 
 @pytest.fixture(scope="session")

@@ -1,31 +1,19 @@
 """experiments/fig_latency.py through run.py, tiny."""
 
 import csv
-import os
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import run_experiment
 
 
 def test_latency_rows_and_ratios(tmp_path):
-    args = [
-        sys.executable,
-        str(ROOT / "run.py"),
+    fig = run_experiment(
+        tmp_path,
         "experiment=fig_latency",
-        "model=stories260k",
-        "logger=none",
-        "progress=false",
-        f"results_dir={tmp_path / 'out'}",
-        f"experiment.figures_dir={tmp_path / 'fig'}",
         "experiment.contexts=[128,320]",
         "experiment.repeats=1",
         "experiment.methods=[alignedkv,truncation]",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = list(csv.DictReader(open(tmp_path / "fig" / "fig_latency.csv")))
+    )
+    rows = list(csv.DictReader(open(fig / "fig_latency.csv")))
     assert [(r["method"], r["context"]) for r in rows] == [
         (m, c) for c in ("128", "320") for m in ("fp16", "alignedkv", "truncation")
     ]

@@ -1,36 +1,24 @@
 """experiments/table_relerr.py through run.py on stories260k."""
 
 import csv
-import os
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import run_experiment
 
 
 def test_relerr_table_lists_every_method(tmp_path):
-    args = [
-        sys.executable,
-        str(ROOT / "run.py"),
+    fig = run_experiment(
+        tmp_path,
         "experiment=table_relerr",
-        "model=stories260k",
-        "logger=none",
-        "progress=false",
-        f"results_dir={tmp_path / 'out'}",
-        f"experiment.figures_dir={tmp_path / 'fig'}",
         "experiment.prompts=1",
         "experiment.context=300",
         "+experiment.methods.kivi2.group_size=8",
         "+experiment.methods.kivi2.residual=32",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "fig" / "table_relerr.csv"))}
+    )
+    rows = {r["method"]: r for r in csv.DictReader(open(fig / "table_relerr.csv"))}
     assert {"alignedkv", "truncation", "kivi2"} <= set(rows)
     for r in rows.values():
         assert abs(sum(float(v) for k, v in r.items() if k.startswith("qk ")) - 1.0) < 1e-9
     assert float(rows["alignedkv"]["qk =0"]) > float(rows["truncation"]["qk =0"])
     assert float(rows["kivi2"]["sv >1e-2"]) > float(rows["alignedkv"]["sv >1e-2"])  # 2-bit values are coarse
-    text = (tmp_path / "fig" / "table_relerr.md").read_text()
+    text = (fig / "table_relerr.md").read_text()
     assert "| gear2 | skipped: gear2: group_size 64 does not divide the model's head_dim 8" in text

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kvquant.cache import KVCache, KVLayer, nbytes, to_fp16_checked
+from kvquant.cache import KVCache, KVLayer, nbytes, to_fp16_checked, whole_bit_widths
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.base import KVMethod, register_method
 from kvquant.quant.grids import PRESETS
@@ -253,19 +253,6 @@ def apply_predictor(pred: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) ->
 # ----------------------------------------------------------------------------- cache
 
 
-def read_widths(n_quant: int, quant_bits: int, n_fp16: int) -> dict[int, int]:
-    """Element counts per whole-bit width whose total is exactly ``quant_bits + 16·n_fp16``."""
-    widths: Counter = Counter()
-    if n_quant:
-        low, extra = divmod(quant_bits, n_quant)
-        widths[low] += n_quant - extra
-        if extra:
-            widths[low + 1] += extra
-    if n_fp16:
-        widths[16] += n_fp16
-    return dict(widths)
-
-
 class AquaKVLayer(KVLayer):
     """One layer: fp16 sinks and window (post-RoPE, as given) around HIGGS codes of the predictor residual."""
 
@@ -401,7 +388,7 @@ class AquaKVLayer(KVLayer):
         n_q = per_token * self.n_quant
         bits_k = 8 * nbytes(self.qk.tensors()) if self.qk else 0
         bits_v = 8 * nbytes(self.qv.tensors()) if self.qv else 0
-        self.count_read(read_widths(n_q, bits_k, n_fp16), read_widths(n_q, bits_v, n_fp16))
+        self.count_read(whole_bit_widths(n_q, bits_k, n_fp16), whole_bit_widths(n_q, bits_v, n_fp16))
 
 
 Pred = tuple[torch.Tensor, torch.Tensor] | None

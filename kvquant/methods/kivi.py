@@ -28,13 +28,12 @@ exact — the per-width histogram of the quantized part is a two-point rendering
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from kvquant.cache import KVLayer
+from kvquant.cache import KVLayer, whole_bit_widths
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.base import KVMethod, register_method
 from kvquant.quant.integer import QuantizedTensor, cat, dequantize, quantize
@@ -80,19 +79,6 @@ def check_finite(method: str, layer_idx: int, keys: torch.Tensor, values: torch.
         return
     name = "keys" if not bool(torch.isfinite(keys).all()) else "values"
     raise NonFiniteKVError(f"{method}: layer {layer_idx} received non-finite {name} (NaN or inf)")
-
-
-def read_widths(n_compressed: int, compressed_bits: int, n_fp16: int) -> dict[int, int]:
-    """Element counts per whole-bit width whose total is exactly ``compressed_bits + 16·n_fp16``."""
-    widths: Counter = Counter()
-    if n_compressed:
-        low, extra = divmod(compressed_bits, n_compressed)
-        widths[low] += n_compressed - extra
-        if extra:
-            widths[low + 1] += extra
-    if n_fp16:
-        widths[16] += n_fp16
-    return dict(widths)
 
 
 class Store(Protocol):
@@ -188,7 +174,7 @@ class Stream:
         b, h, w, d = self.window.shape
         compressed = self.store.tensors()
         bits = 8 * sum(t.numel() * t.element_size() for t in compressed)
-        return read_widths(b * h * self.store.length * d, bits, b * h * w * d)
+        return whole_bit_widths(b * h * self.store.length * d, bits, b * h * w * d)
 
     def numel(self) -> int:
         if self.window is None:
