@@ -2,12 +2,18 @@
 
 Composes the Hydra config, skips runs whose results already exist (same config hash; ``rerun=true``
 forces), dispatches to ``experiments/<runner>.py``, writes results.json atomically, then logs W&B.
+
+In a sweep (``-m``) a job that fails with a ``KvquantError`` prints its one-line error, writes
+``job.json`` (status ``failed``) in its folder and lets the others run; ``SweepReport`` (a Hydra
+callback, ``conf/config.yaml``) then writes ``sweep.json`` in the sweep folder, prints one summary
+line, and the process exits 1 if any job failed. A single run keeps exit code 2.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import sys
 import time
@@ -16,14 +22,19 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from kvquant.errors import KvquantError
+from kvquant.fsutil import atomic_write_text
 from kvquant.results import config_hash, env_info, find_results, flatten, write_results
 
 TABLE_BLOCKS = ("metrics", "fidelity", "bits", "memory", "timing")
 CONF = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "method", "task", "logger", "experiment")
+JOB_FILE = "job.json"
+SWEEP_FILE = "sweep.json"
 
 
 def check_choices(argv: list[str]) -> str | None:
@@ -58,15 +69,18 @@ def read_examples(path: Path) -> list[dict] | None:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def execute(cfg: DictConfig) -> dict | None:
+def execute(cfg: DictConfig) -> tuple[str, Path]:
+    """Run one job; ``("done", results.json)``, or ``("skipped", the existing results.json)``."""
     config = OmegaConf.to_container(cfg, resolve=True)
     digest = config_hash(config)
     if not cfg.rerun:
         existing = find_results(cfg.results_dir, digest)
         if existing is not None:
             print(f"skip: results for this config already exist at {existing} (rerun=true recomputes)")
-            return None
+            return "skipped", existing
     run_dir = HydraConfig.get().runtime.output_dir
+    if str(CONF.parent) not in sys.path:  # experiments/ from a SLURM node or worker started elsewhere
+        sys.path.insert(0, str(CONF.parent))
     runner = importlib.import_module(f"experiments.{cfg.experiment.runner}")
 
     started = time.perf_counter()
@@ -82,6 +96,7 @@ def execute(cfg: DictConfig) -> dict | None:
     if cfg.logger.name == "wandb":
         from kvquant.tracking import log_to_wandb
 
+        names = [cfg.method.name, cfg.task.name] if cfg.experiment.runner == "evaluate" else [cfg.experiment.runner]
         log_to_wandb(
             results,
             run_dir,
@@ -89,20 +104,89 @@ def execute(cfg: DictConfig) -> dict | None:
             entity=cfg.logger.entity,
             mode=cfg.logger.mode,
             tags=list(cfg.logger.tags),
-            name=f"{cfg.model.name}-{cfg.method.name}-{cfg.task.name}",
+            name="-".join([cfg.model.name, *names]),
             examples=read_examples(Path(run_dir) / "examples.jsonl"),
+            group=cfg.logger.get("group"),
         )
-    return results
+    return "done", path
+
+
+def job_threads(launcher: DictConfig) -> int | None:
+    """Torch threads per job under the joblib launcher, so parallel jobs don't oversubscribe the cores.
+
+    ``OMP_NUM_THREADS`` if set (joblib sets it in its workers to cores // n_jobs unless the user did),
+    else the cores divided among the jobs run at once; None for other launchers (torch's default).
+    """
+    if "joblib" not in str(launcher.get("_target_", "")):
+        return None
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n_jobs = int(launcher.get("n_jobs") or 1)
+    parallel = n_jobs if n_jobs > 0 else max(1, cores + 1 + n_jobs)  # joblib: -1 = every core
+    return max(1, cores // parallel)
+
+
+def record_job(status: str, **fields: object) -> None:
+    """``job.json`` in this sweep job's folder, which ``SweepReport`` reads when the sweep ends."""
+    hydra_cfg = HydraConfig.get()
+    record = {"job": hydra_cfg.job.num, "status": status, "overrides": list(hydra_cfg.overrides.task), **fields}
+    atomic_write_text(Path(hydra_cfg.runtime.output_dir) / JOB_FILE, json.dumps(record, default=str) + "\n")
+
+
+class SweepReport(Callback):
+    """Hydra callback: after a sweep, ``sweep.json`` in the sweep folder and one summary line.
+
+    Jobs record themselves (``job.json``, written in their own folder, so parallel or remote jobs
+    never share a file); this runs once, in the launching process, after every job has ended.
+    """
+
+    failed = 0  # read by ``__main__`` to set the exit code
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        jobs = []
+        for path in sweep_dir.glob(f"*/{JOB_FILE}"):
+            try:
+                jobs.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, json.JSONDecodeError):
+                continue
+        jobs.sort(key=lambda job: job.get("job", 0))
+        counts = {s: sum(job["status"] == s for job in jobs) for s in ("done", "skipped", "failed")}
+        summary = atomic_write_text(sweep_dir / SWEEP_FILE, json.dumps({**counts, "jobs": jobs}, indent=2) + "\n")
+        common = set.intersection(*(set(job["overrides"]) for job in jobs)) if len(jobs) > 1 else set()
+        failed = [
+            " ".join(o for o in job["overrides"] if o not in common) or f"#{job['job']}"
+            for job in jobs
+            if job["status"] == "failed"
+        ]
+        line = f"sweep: {len(jobs)} jobs, {counts['done']} done, {counts['skipped']} skipped, {len(failed)} failed"
+        if failed:
+            line += " (" + "; ".join(failed) + ")"
+        print(f"{line}; {summary}", file=sys.stderr if failed else sys.stdout, flush=True)
+        type(self).failed = len(failed)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
+    hydra_cfg = HydraConfig.get()
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    threads = job_threads(hydra_cfg.launcher)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
-        execute(cfg)
+        status, path = execute(cfg)
     except KvquantError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if not sweeping:
+            sys.exit(2)
+        record_job("failed", error=str(exc), threads=threads)
+        return
+    if sweeping:
+        record_job(status, results=str(path), threads=threads)
 
 
 if __name__ == "__main__":
@@ -111,3 +195,5 @@ if __name__ == "__main__":
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     main()
+    if SweepReport.failed:
+        sys.exit(1)

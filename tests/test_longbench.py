@@ -31,5 +31,14 @@ def test_longbench_truncates_long_prompts_counts_them_and_scores(stories):
     assert result.info["middle_truncated"] == 2 and result.info["n_by_task"] == {"trec": 1, "passage_retrieval_en": 1}
     assert all(e["prompt_tokens"] == 300 for e in result.examples)
     assert set(result.metrics) == {"trec", "passage_retrieval_en", "longbench_avg"}
+    assert result.info["generation_capped"] == 0
+
+
+def test_longbench_caps_generation_and_counts_it(stories):
+    model, tok = stories
+    task = get_task("longbench", limit=1, tasks=["trec", "passage_retrieval_en"], max_length=200, max_gen_tokens=40)
+    result = task.run(model, tok, get_method("fp16"))
+    assert result.info["generation_capped"] == 1  # trec asks for 64 tokens, passage_retrieval_en for 32
+    assert task.params()["max_gen_tokens"] == 40
     with pytest.raises(InvalidParameterError, match="no bundled data for lcc"):
         get_task("longbench", tasks=["lcc"])

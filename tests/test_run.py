@@ -11,8 +11,8 @@ from conftest import ROOT
 FAST = ["model=stories260k", "logger=none", "progress=false", "task.ppl_pieces=20", "task.max_new_tokens=8"]
 
 
-def run_cli(tmp_path, *args):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+def run_cli(tmp_path, *args, **env):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", **env}
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
     return subprocess.run(
@@ -68,17 +68,28 @@ def test_bad_parameter_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_interrupted_sweep_keeps_finished_runs_and_resumes(tmp_path):
-    # The second job asks for more context than stories260k has, so the sweep stops there.
-    broken = run_cli(tmp_path, "-m", *FAST, "task.limit=1", "task.max_tokens=64,1024")
-    assert broken.returncode != 0 and "context is 512" in broken.stderr
-    [kept] = results_files(tmp_path)
-    assert json.loads(kept.read_text())["task"]["max_tokens"] == 64
+def test_failed_sweep_job_is_reported_and_the_sweep_resumes(tmp_path):
+    # The middle job asks for more context than stories260k has; the jobs around it still run.
+    broken = run_cli(tmp_path, "-m", *FAST, "task.limit=1", "task.max_tokens=64,1024,96")
+    assert broken.returncode == 1 and "context is 512" in broken.stderr
+    assert (
+        broken.stderr.strip()
+        .splitlines()[-1]
+        .startswith("sweep: 3 jobs, 2 done, 0 skipped, 1 failed (task.max_tokens=1024)")
+    )
+    assert sorted(json.loads(p.read_text())["task"]["max_tokens"] for p in results_files(tmp_path)) == [64, 96]
 
-    resumed = run_cli(tmp_path, "-m", *FAST, "task.limit=1", "task.max_tokens=64,128")
+    resumed = run_cli(tmp_path, "-m", *FAST, "task.limit=1", "task.max_tokens=64,128,96")
     assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.count("skip:") == 1
-    assert sorted(json.loads(p.read_text())["task"]["max_tokens"] for p in results_files(tmp_path)) == [64, 128]
+    assert resumed.stdout.count("skip:") == 2 and "sweep: 3 jobs, 1 done, 2 skipped, 0 failed" in resumed.stdout
+    assert sorted(json.loads(p.read_text())["task"]["max_tokens"] for p in results_files(tmp_path)) == [64, 96, 128]
+
+
+def test_single_run_failure_keeps_exit_code_2(tmp_path):
+    proc = run_cli(tmp_path, *FAST, "method=aquakv", KVQUANT_PREDICTOR_DIR=str(tmp_path / "no-predictors"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: no AQUA-KV predictors at ")
+    assert "sweep:" not in proc.stdout + proc.stderr and not results_files(tmp_path)
 
 
 def test_suite_task_writes_examples_fidelity_and_reuses_the_fp16_reference(tmp_path):

@@ -1,0 +1,154 @@
+"""Hydra multirun sweeps, as a user starts them: basic and joblib launchers, failures, resume, W&B, SLURM config."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from kvquant.results import flatten
+from kvquant.tracking import read_offline_run
+
+FAST = ["model=stories260k", "progress=false", "task.ppl_pieces=5", "task.max_new_tokens=4", "task.limit=2"]
+
+
+def sweep(results_dir, *args, **env):
+    """``run.py -m …`` in a subprocess, offline, with no AQUA-KV predictors (so ``aquakv`` fails)."""
+    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {
+        **base,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "KVQUANT_PREDICTOR_DIR": str(results_dir / "no-predictors"),
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), "-m", f"results_dir={results_dir}", *FAST, *args],
+        cwd=results_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def by_method(results_dir):
+    out = {}
+    for path in sorted(results_dir.rglob("results.json")):
+        data = json.loads(path.read_text())
+        assert data["method"]["name"] not in out
+        out[data["method"]["name"]] = (path, data)
+    return out
+
+
+def sweep_record(proc):
+    """The sweep.json the summary line points at."""
+    line = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("sweep: ")
+    return line, json.loads(open(line.rsplit("; ", 1)[1]).read())
+
+
+@pytest.fixture(scope="module")
+def basic(tmp_path_factory):
+    """A basic-launcher sweep whose middle job fails, with W&B offline."""
+    out = tmp_path_factory.mktemp("basic")
+    proc = sweep(out, "method=fp16,aquakv,truncation", "logger=wandb", WANDB_MODE="offline")
+    return out, proc
+
+
+def test_failing_job_does_not_stop_the_sweep(basic):
+    out, proc = basic
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: no AQUA-KV predictors at ")
+    line, record = sweep_record(proc)
+    assert line.startswith("sweep: 3 jobs, 2 done, 0 skipped, 1 failed (method=aquakv); ")
+    assert [(j["job"], j["status"]) for j in record["jobs"]] == [(0, "done"), (1, "failed"), (2, "done")]
+    assert record["jobs"][1]["error"] == errors[0].removeprefix("error: ")
+    results = by_method(out)
+    assert sorted(results) == ["fp16", "truncation"]  # the job after the failure ran
+    assert [j["results"] for j in record["jobs"] if j["status"] == "done"] == [
+        str(results["fp16"][0]),
+        str(results["truncation"][0]),
+    ]
+    assert results["truncation"][1]["fidelity"]["greedy_match"] == 1.0
+
+
+def test_rerun_skips_finished_jobs(basic):
+    out, _ = basic
+    before = {m: p.stat().st_mtime_ns for m, (p, _) in by_method(out).items()}
+    again = sweep(out, "method=fp16,truncation", "logger=none")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.count("skip:") == 2
+    line, record = sweep_record(again)
+    assert line.startswith("sweep: 2 jobs, 0 done, 2 skipped, 0 failed; ")
+    assert {m: p.stat().st_mtime_ns for m, (p, _) in by_method(out).items()} == before
+
+
+def test_offline_wandb_runs_are_grouped_tagged_and_named(basic):
+    out, _ = basic
+    for method, (path, data) in by_method(out).items():
+        [run_path] = (path.parent / "wandb").glob("offline-run-*")
+        run = read_offline_run(run_path)
+        assert run["name"] == f"stories260k-{method}-tinystories"
+        assert run["group"] == "evaluate" and run["job_type"] == "tinystories"
+        assert run["tags"] == ["model:stories260k", f"method:{method}", "task:tinystories", "experiment:evaluate"]
+        assert run["config"]["method.name"] == method and run["config"]["task.limit"] == 2
+        assert run["config"]["config_hash"] == data["config_hash"]
+        summary = run["summary"]
+        assert summary["tinystories/ppl"] == pytest.approx(data["metrics"]["ppl"])
+        assert summary["bits/stored"] == pytest.approx(data["bits"]["stored"])
+        assert summary["memory/kv_bytes"] == pytest.approx(data["memory"]["kv_bytes"])
+        assert summary["timing/decode_tok_s"] == pytest.approx(data["timing"]["decode_tok_s"])
+        assert summary["tables/results"]["nrows"] == 1
+        assert ("fidelity/kl" in summary) == (method != "fp16")
+    assert by_method(out)["truncation"][1]["bits"]["read"] == 13.0
+
+
+def test_joblib_sweep_matches_the_basic_launcher_and_resumes(basic, tmp_path):
+    ref = by_method(basic[0])
+    args = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "method=fp16,truncation", "logger=none"]
+    proc = sweep(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line, record = sweep_record(proc)
+    assert line.startswith("sweep: 2 jobs, 2 done, 0 skipped, 0 failed; ")
+    cores = len(os.sched_getaffinity(0))
+    assert all(1 <= j["threads"] <= max(1, cores // 2) for j in record["jobs"])  # cores shared, not oversubscribed
+    got = by_method(tmp_path)
+    assert sorted(got) == ["fp16", "truncation"]
+    for method, (_, data) in got.items():
+        assert data["config_hash"] == ref[method][1]["config_hash"]
+        for block in ("metrics", "fidelity", "bits", "memory"):
+            expected = flatten(ref[method][1].get(block) or {})
+            assert flatten(data.get(block) or {}) == pytest.approx(expected, rel=1e-5, abs=1e-8), (method, block)
+
+    again = sweep(tmp_path, *args)
+    assert again.returncode == 0 and again.stdout.count("skip:") == 2
+    assert sweep_record(again)[0].startswith("sweep: 2 jobs, 0 done, 2 skipped, 0 failed; ")
+    assert len(list(tmp_path.rglob("results.json"))) == 2
+
+
+@pytest.mark.parametrize("launcher", ["submitit_slurm", "slurm"])
+def test_slurm_launcher_composes_without_a_cluster(tmp_path, launcher):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            f"hydra/launcher={launcher}",
+            "hydra.launcher.partition=gpu",
+            "--cfg",
+            "hydra",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "_target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher" in proc.stdout
+    assert "partition: gpu" in proc.stdout
+    if launcher == "slurm":  # our preset's defaults
+        assert "gpus_per_node: 1" in proc.stdout and "timeout_min: 240" in proc.stdout
