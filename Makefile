@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test lint bench clean
+.PHONY: setup test lint bench figures clean
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ lint:
 
 bench:
 	HF_HUB_OFFLINE=1 $(PY) scripts/bench_decode.py
+
+# Every figure and table of the paper artefacts from the committed results/ (no model, no compute).
+figures:
+	HF_HUB_OFFLINE=1 $(PY) -m experiments.figures
 
 clean:
 	rm -rf outputs multirun wandb .pytest_cache

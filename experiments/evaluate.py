@@ -24,10 +24,8 @@ def params_of(node: DictConfig) -> dict[str, Any]:
     return data
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Evaluate ``cfg.method`` on ``cfg.task`` and return the results.json blocks it measured."""
-    method = get_method(cfg.method.name, **params_of(cfg.method))
-    task = get_task(cfg.task.name, **params_of(cfg.task))
+def load(cfg: DictConfig) -> tuple[Any, Any, str]:
+    """``(model, tokenizer, device)`` for ``cfg.model`` on ``cfg.device`` (tables load once for many cells)."""
     device = resolve_device(cfg.device)
     model, tokenizer = load_model(
         cfg.model.path or cfg.model.name,
@@ -36,6 +34,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         device_map=cfg.model.device_map,
         hub_id=cfg.model.get("hub_id"),
     )
+    return model, tokenizer, device
+
+
+def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None = None) -> dict[str, Any]:
+    """Evaluate ``cfg.method`` on ``cfg.task`` and return the results.json blocks it measured.
+
+    ``out_dir`` receives examples.jsonl (default: Hydra's run folder, where run.py writes results.json);
+    ``loaded`` is ``load(cfg)``'s result when the caller already holds the model.
+    """
+    method = get_method(cfg.method.name, **params_of(cfg.method))
+    task = get_task(cfg.task.name, **params_of(cfg.task))
+    model, tokenizer, device = loaded or load(cfg)
     reference = None if cfg.method.name == REFERENCE_METHOD else get_method(REFERENCE_METHOD)
     result = task.run(
         model,
@@ -48,7 +58,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     stats = result.counts.summary()
     n_seqs = result.n_caches or max(1, task.params().get("limit") or 1)
-    examples = write_examples(result.examples)
+    examples = write_examples(result.examples, out_dir)
     return {
         "model": model_info(model, cfg.model.name),
         "method": method.describe(),
@@ -72,13 +82,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def write_examples(examples: list[dict[str, Any]]) -> dict[str, Any] | None:
+def write_examples(examples: list[dict[str, Any]], out_dir: str | Path | None = None) -> dict[str, Any] | None:
     """Per-example outputs as JSONL beside results.json (for diffing methods); the block results.json gets."""
     if not examples:
         return None
-    from hydra.core.hydra_config import HydraConfig
+    if out_dir is None:
+        from hydra.core.hydra_config import HydraConfig
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+        out_dir = HydraConfig.get().runtime.output_dir
     text = "".join(json.dumps(ex, default=str, ensure_ascii=False) + "\n" for ex in examples)
-    atomic_write_text(run_dir / EXAMPLES_FILE, text)
+    atomic_write_text(Path(out_dir) / EXAMPLES_FILE, text)
     return {"file": EXAMPLES_FILE, "n": len(examples)}

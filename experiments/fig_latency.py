@@ -3,7 +3,8 @@
 ``kvquant.analysis.timing.decode_step_time`` for each method and context on one attention shape
 (the model's, or a named one such as ``llama2_7b``); medians over repeats, warm-up excluded. Writes
 ``fig_latency.{csv,png,pdf}``: time per step (left) and the ratio to fp16 (right). CPU here; the
-CuPy AlignedKV kernel joins this figure where a GPU is present (see ``kernels_cupy``).
+CuPy AlignedKV kernel joins this figure where a GPU is present (see ``kernels_cupy``). ``render`` redraws
+the figure from the CSV alone (``make figures``), its title from results.json.
 """
 
 from __future__ import annotations
@@ -11,43 +12,55 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
-from kvquant.analysis.timing import SHAPES, decode_step_time
-from kvquant.errors import InvalidParameterError
-from kvquant.methods import get_method
-from kvquant.models import resolve_device
+from experiments.figures import publish, records
 from kvquant.plots import method_color, pyplot, save_figure
 
 NAME = "fig_latency"
 
 
-def plot(table, stem: Path, copies: list[Path], title: str) -> None:
+def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Path]:
+    """Time per step (left) and ratio to fp16 (right) from the CSV; the title names the shape and device."""
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for method, rows in table.groupby("method"):
         rows = rows.sort_values("context")
         left.plot(rows.context, rows.ms, marker="o", color=method_color(method), label=method)
         right.plot(rows.context, rows.ratio_to_fp16, marker="o", color=method_color(method), label=method)
+    contexts = sorted(table.context.unique())
     for ax in (left, right):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
         ax.set_xlabel("position (tokens in the cache)")
         ax.grid(alpha=0.3)
     left.set_yscale("log")
+    right.set_yscale("log")
     left.set_ylabel("KV time of one decode step (ms, median)")
-    right.set_ylabel("time / fp16 time (same run)")
+    right.set_ylabel("time / fp16 time (ratio, same run)")
     right.axhline(1.0, color="black", lw=0.8)
-    left.set_title(title)
-    right.legend(fontsize=8)
+    experiment = (results or {}).get("experiment", {})
+    device = (results or {}).get("env", {}).get("device")
+    title = ", ".join(str(x) for x in (experiment.get("shape_label"), device) if x)
+    left.set_title(title or "KV part of one decode step")
+    right.set_title("ratio to fp16")
+    handles, labels = left.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.tight_layout()
-    save_figure(fig, stem, copies)
+    return save_figure(fig, stem)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     import pandas as pd
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+    from tqdm.auto import tqdm
+
+    from kvquant.analysis.timing import SHAPES, decode_step_time
+    from kvquant.errors import InvalidParameterError
+    from kvquant.methods import get_method
+    from kvquant.models import resolve_device
 
     exp = cfg.experiment
     if exp.shape not in SHAPES:
@@ -65,15 +78,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             rows.append(
                 {"method": label, "context": context, "ms": t * 1e3, "ratio_to_fp16": t / base, "bits_read": bits}
             )
-    table = pd.DataFrame(rows)
-    out = Path(HydraConfig.get().runtime.output_dir)
-    table.to_csv(out / f"{NAME}.csv", index=False)
     hq, hkv, d = SHAPES[exp.shape]
     device = resolve_device(cfg.device)
-    plot(table, out / NAME, [Path(exp.figures_dir)], f"{exp.shape} shape ({hq}q/{hkv}kv×{d}), {device}")
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    return {
-        "experiment": {"name": NAME, "shape": exp.shape, "threads": torch.get_num_threads()},
-        "table": rows,
-        "device": device,
+    experiment = {
+        "name": NAME,
+        "shape": exp.shape,
+        "shape_label": f"{exp.shape} shape ({hq}q/{hkv}kv×{d})",
+        "threads": torch.get_num_threads(),
     }
+    out = Path(HydraConfig.get().runtime.output_dir)
+    results = {"experiment": experiment, "env": {"device": device}}
+    table, _ = publish(render, NAME, pd.DataFrame(rows), out, exp.figures_dir, results)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    return {"experiment": experiment, "table": records(table), "device": device}

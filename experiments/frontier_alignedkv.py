@@ -4,31 +4,27 @@ For each context length: ``prompts`` consecutive WikiText-2 windows of that many
 decodes ``new_tokens`` greedy tokens (match to fp16 per position), is teacher-forced along fp16's
 tokens (mean KL(fp16 ‖ rule)), and its ``QKᵀ``/``SV`` relative errors are bucketed at the decode
 step after the first prompt. Writes ``frontier_alignedkv.csv`` and a plot (bits read on x, greedy
-match on y, one line per rule, one panel per context) into ``figures_dir`` and the run folder.
+match and KL on y, one line per rule, one column per context) into ``figures_dir`` and the run folder;
+``render`` redraws it from the CSV alone (``make figures``).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
-from kvquant.analysis.relerr import relative_error_table
-from kvquant.data import wikitext2_test
-from kvquant.errors import InvalidParameterError
-from kvquant.eval.fidelity import greedy_decode, kl_divergence
-from kvquant.methods import get_method
-from kvquant.models import load_model, model_info, resolve_device
+from experiments.figures import publish, records
+from kvquant.plots import method_color, pyplot, save_figure
 
 NAME = "frontier_alignedkv"
 
 
 def rule_configs(cfg: DictConfig) -> list[tuple[str, str, float, Any]]:
     """``(label, method, x_param, method)`` for every point of the frontier."""
+    from kvquant.methods import get_method
+
     points = [(f"truncation keep={k}", "truncation", k, get_method("truncation", keep_bits=int(k))) for k in cfg.keep]
     for rule in cfg.rules:
         points += [(f"{rule} margin={m}", rule, m, get_method(rule, margin=float(m))) for m in cfg.margins]
@@ -37,6 +33,8 @@ def rule_configs(cfg: DictConfig) -> list[tuple[str, str, float, Any]]:
 
 def decode_and_compare(model, prompt, method, reference, new_tokens: int) -> dict[str, float]:
     """Free greedy decode (match, bits) and teacher-forced decode along fp16's tokens (KL)."""
+    from kvquant.eval.fidelity import greedy_decode, kl_divergence
+
     cache = method.new_cache(model)
     free = greedy_decode(model, prompt, cache, new_tokens)
     forced = greedy_decode(model, prompt, method.new_cache(model), new_tokens, forced=reference.tokens)
@@ -50,30 +48,47 @@ def decode_and_compare(model, prompt, method, reference, new_tokens: int) -> dic
     }
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    contexts = sorted({r["context"] for r in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), squeeze=False, sharey=True)
-    for ax, ctx in zip(axes[0], contexts, strict=True):
-        for rule in sorted({r["rule"] for r in rows}):
-            pts = sorted((r["bits_read"], r["greedy_match"]) for r in rows if r["context"] == ctx and r["rule"] == rule)
-            ax.plot(*zip(*pts, strict=True), marker="o", label=rule)
-        ax.set_title(f"context {ctx} tokens")
-        ax.set_xlabel("mean bits read per K/V element")
-        ax.grid(alpha=0.3)
+def render(table, stem: Path) -> list[Path]:
+    """Greedy match (top) and KL (bottom) against bits read, one line per rule, one column per context."""
+    plt = pyplot()
+    contexts = sorted(table.context.unique())
+    rules = sorted(table.rule.unique())
+    positive = table.kl[table.kl > 0]
+    linthresh = max(float(positive.min()) if len(positive) else 1e-6, 1e-12)  # KL is 0 at 16 bits: symlog
+    fig, axes = plt.subplots(
+        2, len(contexts), figsize=(5.5 * len(contexts), 7.6), squeeze=False, sharex="col", sharey="row"
+    )
+    for col, ctx in enumerate(contexts):
+        for i, rule in enumerate(rules):
+            rows = table[(table.context == ctx) & (table.rule == rule)].sort_values("bits_read")
+            style = {"marker": "os^Dv"[i % 5], "color": method_color(rule), "label": rule, "alpha": 0.85}
+            axes[0][col].plot(rows.bits_read, rows.greedy_match, **style)
+            axes[1][col].plot(rows.bits_read, rows.kl, **style)
+        axes[0][col].set_title(f"context {ctx} tokens")
+        axes[1][col].set_xlabel("mean bits read per K/V element (bits)")
+        axes[1][col].set_yscale("symlog", linthresh=linthresh)
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("greedy tokens equal to fp16 (share)")
-    axes[0][-1].legend(loc="lower right")
-    fig.tight_layout()
-    for suffix in (".png", ".pdf"):
-        fig.savefig(path.with_suffix(suffix), dpi=150)
-    plt.close(fig)
+    axes[1][0].set_ylabel("KL(fp16 ‖ rule) per token (nats)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), bbox_to_anchor=(0.5, -0.01), frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return save_figure(fig, stem)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
+    import pandas as pd
+    from hydra.core.hydra_config import HydraConfig
+    from tqdm.auto import tqdm
+
+    from kvquant.analysis.relerr import relative_error_table
+    from kvquant.data import wikitext2_test
+    from kvquant.errors import InvalidParameterError
+    from kvquant.eval.fidelity import greedy_decode
+    from kvquant.methods import get_method
+    from kvquant.models import load_model, model_info, resolve_device
+
     exp = cfg.experiment
     device = resolve_device(cfg.device)
     model, tok = load_model(cfg.model.path or cfg.model.name, dtype=cfg.model.dtype, device=device)
@@ -108,16 +123,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 row.update({f"{kind} {bucket}": share for bucket, share in relerr[label][kind].items()})
             rows.append(row)
 
-    import pandas as pd
-
-    table = pd.DataFrame(rows)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
-    table.to_csv(out_dir / f"{NAME}.csv", index=False)
-    plot(rows, out_dir / NAME)
-    figures = Path(exp.figures_dir)
-    figures.mkdir(parents=True, exist_ok=True)
-    for suffix in (".csv", ".png", ".pdf"):
-        shutil.copyfile(out_dir / f"{NAME}{suffix}", figures / f"{NAME}{suffix}")
+    table, _ = publish(render, NAME, pd.DataFrame(rows), out_dir, exp.figures_dir)
     print(
         table[["context", "label", "bits_read", "bits_read_k", "bits_read_v", "greedy_match", "kl"]].to_string(
             index=False, float_format=lambda v: f"{v:.4f}"
@@ -125,7 +132,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     )
     return {
         "model": model_info(model, cfg.model.name),
-        "experiment": {"name": NAME, "n_points": len(rows), "figures": str(figures / NAME)},
-        "table": rows,
+        "experiment": {"name": NAME, "n_points": len(table), "figures": str(Path(exp.figures_dir) / NAME)},
+        "table": records(table),
         "device": device,
     }

@@ -4,29 +4,28 @@ For each of ``prompts`` WikiText-2 windows of ``context`` tokens, the decode ste
 captured once from the fp16 model and replayed through a fresh store of every method
 (``kvquant.analysis.relerr``); shares are averaged over the windows. A method that cannot run on
 the model (e.g. a group size that does not divide its head_dim) is listed with the reason.
-Writes ``table_relerr.md`` and ``table_relerr.csv``.
+Writes ``table_relerr.md`` (rendered from ``table_relerr.csv`` alone; the reasons for skipped methods and
+the heading come from results.json).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
-from kvquant.analysis.relerr import BUCKETS, relative_error_table
-from kvquant.data import wikitext2_test
-from kvquant.errors import KvquantError
-from kvquant.methods import get_method
-from kvquant.models import load_model, model_info, resolve_device
+from experiments.figures import publish, records
 
 NAME = "table_relerr"
 
 
 def build_methods(specs: dict, model) -> tuple[dict[str, Any], dict[str, str]]:
     """Registry methods by label, and the labels that cannot run on ``model`` with the reason."""
+    from kvquant.errors import KvquantError
+    from kvquant.methods import get_method
+
     methods, skipped = {}, {}
     for label, spec in specs.items():
         params = dict(spec or {})
@@ -40,18 +39,49 @@ def build_methods(specs: dict, model) -> tuple[dict[str, Any], dict[str, str]]:
     return methods, skipped
 
 
-def markdown(rows: list[dict], skipped: dict[str, str]) -> str:
-    head = "| method | " + " | ".join(f"QKᵀ {b}" for b in BUCKETS) + " | " + " | ".join(f"SV {b}" for b in BUCKETS)
-    lines = [head + " |", "|---" * (1 + 2 * len(BUCKETS)) + "|"]
-    for r in rows:
-        cells = [f"{100 * r[f'qk {b}']:.1f}%" for b in BUCKETS] + [f"{100 * r[f'sv {b}']:.1f}%" for b in BUCKETS]
+def markdown(table, skipped: dict[str, str]) -> str:
+    """The Markdown table: one row per method, shares of each bucket in percent, skipped methods last."""
+    buckets = [c.removeprefix("qk ") for c in table.columns if c.startswith("qk ")]
+    head = "| method | " + " | ".join(f"QKᵀ {b}" for b in buckets) + " | " + " | ".join(f"SV {b}" for b in buckets)
+    lines = [head + " |", "|---" * (1 + 2 * len(buckets)) + "|"]
+    for r in table.to_dict(orient="records"):
+        cells = [f"{100 * r[f'{kind} {b}']:.1f}%" for kind in ("qk", "sv") for b in buckets]
         lines.append(f"| {r['method']} | " + " | ".join(cells) + " |")
     lines += [f"| {label} | skipped: {reason} |" for label, reason in skipped.items()]
     return "\n".join(lines) + "\n"
 
 
+def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Path]:
+    """``stem.md`` from the CSV; results.json supplies the heading (model, prompts) and why methods were skipped."""
+    results = results or {}
+    experiment = results.get("experiment", {})
+    model = results.get("model", {}).get("name")
+    heading = "Relative error of decode-step results (share of elements per bucket)"
+    if model and experiment.get("prompts") and experiment.get("context"):
+        heading += f", {model}, {experiment['prompts']} × {experiment['context']}-token prompts"
+    path = stem.with_suffix(".md")
+    path.write_text(heading + "\n\n" + markdown(table, experiment.get("skipped", {})), encoding="utf-8")
+    return [path]
+
+
+def percentages(text: str) -> dict[str, list[float]]:
+    """The numbers of a rendered table by method (percent), for checking them against results.json."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) > 1 and all(re.fullmatch(r"[0-9.]+%", c) for c in cells[1:]):
+            rows[cells[0]] = [float(c[:-1]) for c in cells[1:]]
+    return rows
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     import pandas as pd
+    from hydra.core.hydra_config import HydraConfig
+    from tqdm.auto import tqdm
+
+    from kvquant.analysis.relerr import relative_error_table
+    from kvquant.data import wikitext2_test
+    from kvquant.models import load_model, model_info, resolve_device
 
     exp = cfg.experiment
     device = resolve_device(cfg.device)
@@ -61,24 +91,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
     sums: dict[str, dict[str, float]] = {label: {} for label in methods}
     for i in tqdm(range(exp.prompts), desc=NAME, disable=not cfg.progress):
-        table = relative_error_table(model, ids[i * context : (i + 1) * context + 1], methods)
-        for label, kinds in table.items():
+        shares_by_method = relative_error_table(model, ids[i * context : (i + 1) * context + 1], methods)
+        for label, kinds in shares_by_method.items():
             for kind, shares in kinds.items():
                 for bucket, share in shares.items():
                     key = f"{kind} {bucket}"
                     sums[label][key] = sums[label].get(key, 0.0) + share / exp.prompts
     rows = [{"method": label, **values} for label, values in sums.items()]
+    info = model_info(model, cfg.model.name)
+    experiment = {"name": NAME, "context": context, "prompts": exp.prompts, "skipped": skipped}
     out = Path(HydraConfig.get().runtime.output_dir)
-    text = f"Relative error of decode-step results, {cfg.model.name}, {exp.prompts} × {context}-token prompts\n\n"
-    text += markdown(rows, skipped)
-    for folder in (out, Path(exp.figures_dir)):
-        folder.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame(rows).to_csv(folder / f"{NAME}.csv", index=False)
-        (folder / f"{NAME}.md").write_text(text, encoding="utf-8")
-    print(text)
-    return {
-        "model": model_info(model, cfg.model.name),
-        "experiment": {"name": NAME, "context": context, "prompts": exp.prompts, "skipped": skipped},
-        "table": rows,
-        "device": device,
-    }
+    meta = {"model": info, "experiment": experiment}
+    table, written = publish(render, NAME, pd.DataFrame(rows), out, exp.figures_dir, meta)
+    print(written[-1].read_text(encoding="utf-8"))
+    return {"model": info, "experiment": experiment, "table": records(table), "device": device}

@@ -1,4 +1,8 @@
-"""Figures: one colour per method across every plot, PNG + PDF, data saved beside each figure as CSV."""
+"""Figures: one colour per method across every plot, PNG + PDF, data saved beside each figure as CSV.
+
+Every artefact draws through :func:`method_color` and :func:`save_figure`, so a method looks the same in
+every figure and every figure exists as PNG (for the README) and PDF (for papers).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,12 @@ METHOD_COLORS = {
     "kivi4": "#ff9896",
     "gear2": "#9467bd",
     "gear4": "#c5b0d5",
+    "gear_l2": "#6a3d9a",
+    "gear_l4": "#b294c7",
     "higgs": "#8c564b",
     "aquakv": "#e377c2",
+    "aquakv_k_only": "#f7b6d2",
+    "aquakv_v_only": "#c51b7d",
 }
 
 

@@ -1,8 +1,11 @@
 """experiments/fig_bitwidth.py through run.py on stories260k."""
 
 import csv
+import json
 
 from conftest import run_experiment
+
+from experiments.figures import check_agrees, read_table
 
 
 def test_bitwidth_figure_and_table(tmp_path):
@@ -21,4 +24,8 @@ def test_bitwidth_figure_and_table(tmp_path):
         shares = sum(float(r[f"{side}{w}"]) for side in "kv" for w in (8, 12, 16))
         assert abs(shares - 2.0) < 1e-9
         assert 8.0 <= float(r["bits_read_v"]) < float(r["bits_read_k"]) <= 16.0
-    assert (fig / "fig_bitwidth.png").stat().st_size > 10_000
+    assert (fig / "fig_bitwidth.png").stat().st_size > 10_000 and (fig / "fig_bitwidth.pdf").is_file()
+    results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
+    assert len(results["table"]) == len(rows)  # every row, per layer too, not only the overall ones
+    check_agrees(read_table(fig / "fig_bitwidth.csv"), results["table"], "fig_bitwidth")
+    assert "bits_read_with_metadata" not in results["table"][1]  # a per-layer row: NaN cells are left out

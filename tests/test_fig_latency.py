@@ -1,8 +1,11 @@
 """experiments/fig_latency.py through run.py, tiny."""
 
 import csv
+import json
 
 from conftest import run_experiment
+
+from experiments.figures import check_agrees, read_table
 
 
 def test_latency_rows_and_ratios(tmp_path):
@@ -21,3 +24,7 @@ def test_latency_rows_and_ratios(tmp_path):
     assert all(float(r["ratio_to_fp16"]) == 1.0 for r in rows if r["method"] == "fp16")
     assert all(float(r["bits_read"]) == 13.0 for r in rows if r["method"] == "truncation")
     assert all(8.0 < float(r["bits_read"]) < 16.5 for r in rows if r["method"] == "alignedkv")
+    results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
+    check_agrees(read_table(fig / "fig_latency.csv"), results["table"], "fig_latency")
+    assert results["experiment"]["shape_label"] == "smollm2_135m shape (9q/3kv×64)"
+    assert (fig / "fig_latency.png").stat().st_size > 10_000 and (fig / "fig_latency.pdf").is_file()

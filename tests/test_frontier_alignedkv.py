@@ -1,8 +1,11 @@
 """experiments/frontier_alignedkv.py through run.py, at a size that fits a test."""
 
 import csv
+import json
 
 from conftest import run_experiment
+
+from experiments.figures import check_agrees, read_table
 
 
 def test_frontier_writes_csv_and_plot(tmp_path):
@@ -29,4 +32,6 @@ def test_frontier_writes_csv_and_plot(tmp_path):
     assert float(rows["truncation keep=9"]["bits_read"]) == 9.0
     for label in ("alignedkv margin=0", "alignedkv_plus margin=0"):
         assert float(rows[label]["bits_read"]) < float(rows[label.replace("=0", "=2")]["bits_read"]) < 16.5
-    assert (fig / "frontier_alignedkv.png").stat().st_size > 10_000
+    assert (fig / "frontier_alignedkv.png").stat().st_size > 10_000 and (fig / "frontier_alignedkv.pdf").is_file()
+    results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
+    check_agrees(read_table(fig / "frontier_alignedkv.csv"), results["table"], "frontier_alignedkv")

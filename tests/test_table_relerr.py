@@ -1,8 +1,11 @@
 """experiments/table_relerr.py through run.py on stories260k."""
 
 import csv
+import json
 
 from conftest import run_experiment
+
+from experiments.figures import check_agrees, read_table
 
 
 def test_relerr_table_lists_every_method(tmp_path):
@@ -22,3 +25,6 @@ def test_relerr_table_lists_every_method(tmp_path):
     assert float(rows["kivi2"]["sv >1e-2"]) > float(rows["alignedkv"]["sv >1e-2"])  # 2-bit values are coarse
     text = (fig / "table_relerr.md").read_text()
     assert "| gear2 | skipped: gear2: group_size 64 does not divide the model's head_dim 8" in text
+    assert text.startswith("Relative error of decode-step results (share of elements per bucket), stories260k, 1 × 300")
+    results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
+    check_agrees(read_table(fig / "table_relerr.csv"), results["table"], "table_relerr")

@@ -1,0 +1,292 @@
+"""A table as a grid of cells, each cell one ordinary ``experiment=evaluate`` run, reused when it exists.
+
+A cell is (method label → conf/method choice + parameters) × (task label → conf/task choice +
+parameters) on the table run's model. Its config is composed exactly as
+
+    python run.py <the table's own overrides, minus experiment/method/task> experiment=evaluate \
+        method=<m> task=<t> ++method.<k>=<v> ++task.<k>=<v>
+
+would compose it, so its config hash is the one run.py writes for that command line. A cell whose
+hash already has a results.json anywhere under ``results_dir`` (a finished cell of an interrupted
+table, or a run of a plain sweep) is read, not recomputed; a new cell writes its results.json, in
+run.py's format, to ``<table run dir>/cells/<method>_<task>/``. A cell that raises ``KvquantError``
+(aquakv without predictors, CoQA offline, a group size the model cannot take) is kept as
+``skipped`` with the error's line, never a crash.
+
+Table runners (``table_tasks``, ``table_aquakv``) are artefacts in ``experiments.figures``' sense:
+``NAME`` and ``render(table, stem)``, which writes the Markdown table / figure from the CSV alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvquant.errors import InvalidParameterError, KvquantError
+from kvquant.results import RESULTS_FILE, config_hash, env_info, write_results
+
+CELLS_DIR = "cells"
+CELL_GROUPS = ("experiment", "method", "task")  # set per cell; the table's own overrides of these are dropped
+FIDELITY = ("greedy_match", "first_divergence", "kl", "top1_agreement", "answer_agreement")
+DISPLAY_KEYS = ("metric", "scale")  # task-spec keys for the table itself, not handed to the task
+SIMPLE = re.compile(r"[A-Za-z_][\w\-./]*")
+HYDRA_WORDS = {"null", "true", "false", "inf", "nan"}
+# Each task's headline metric and the factor that shows it in the published tables' units (%).
+PRIMARY: dict[str, tuple[str, float]] = {
+    "coqa": ("em", 1.0),
+    "truthfulqa_gen": ("bleu_max", 1.0),
+    "truthfulqa_mc2": ("mc2", 100.0),
+    "gsm8k": ("exact_match_strict", 100.0),
+    "longbench": ("longbench_avg", 1.0),
+    "passkey": ("passkey_acc", 100.0),
+    "wikitext": ("ppl", 1.0),
+    "tinystories": ("ppl", 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One evaluate run of the grid: row ``method`` (label) × column ``task`` (label)."""
+
+    method: str
+    method_name: str
+    task: str
+    task_name: str
+    method_params: dict[str, Any] = field(default_factory=dict, hash=False)
+    task_params: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def overrides(self) -> list[str]:
+        """The command-line overrides that select this cell (on top of the model and run settings)."""
+        out = ["experiment=evaluate", f"method={self.method_name}", f"task={self.task_name}"]
+        out += [f"++method.{k}={override_value(v)}" for k, v in self.method_params.items()]
+        out += [f"++task.{k}={override_value(v)}" for k, v in self.task_params.items()]
+        return out
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^\w.\-]+", "-", f"{self.method}_{self.task}")
+
+
+@dataclass
+class CellResult:
+    """A cell's outcome: ``computed`` now, ``reused`` from an existing results.json, or ``skipped``."""
+
+    cell: Cell
+    status: str
+    config_hash: str
+    path: Path | None = None
+    results: dict[str, Any] | None = None
+    reason: str | None = None
+
+
+def override_value(value: Any) -> str:
+    """``value`` in Hydra's override grammar (strings quoted when they would parse as something else)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if SIMPLE.fullmatch(text) and text.lower() not in HYDRA_WORDS:
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def split_spec(label: str, spec: Mapping | None, group: str) -> tuple[str, dict[str, Any]]:
+    """``{name: <choice>, **params}`` (name defaults to the label) → (choice, params), the choice checked."""
+    params = dict(spec or {})
+    name = str(params.pop("name", label))
+    conf = Path(__file__).resolve().parents[1] / "conf" / group
+    valid = sorted(p.stem for p in conf.glob("*.yaml"))
+    if name not in valid:
+        raise InvalidParameterError(f"{label}: unknown {group} '{name}'; valid {group}s: {', '.join(valid)}")
+    return name, params
+
+
+def grid(methods: Mapping, tasks: Mapping) -> tuple[list[Cell], dict[str, tuple[str, float]]]:
+    """Cells of ``methods`` × ``tasks`` (row-major, config order) and each task label's (metric, scale)."""
+    rows = [(label, *split_spec(label, spec, "method")) for label, spec in methods.items()]
+    cols, shown = [], {}
+    for label, spec in tasks.items():
+        spec = dict(spec or {})
+        display = {k: spec.pop(k) for k in DISPLAY_KEYS if k in spec}
+        cols.append((label, *split_spec(label, spec, "task")))
+        shown[label] = metric_of(cols[-1][1], display)
+    cells = [Cell(m, mn, t, tn, dict(mp), dict(tp)) for m, mn, mp in rows for t, tn, tp in cols]
+    return cells, shown
+
+
+def base_overrides(overrides: Iterable[str] | None = None) -> list[str]:
+    """The table run's overrides that every cell keeps (model, device, seed, results_dir, …)."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = HydraConfig.get().overrides.task
+    kept = []
+    for item in overrides:
+        key = item.lstrip("~+").split("=", 1)[0]
+        if key.split(".", 1)[0] not in CELL_GROUPS:
+            kept.append(item)
+    return kept
+
+
+def cell_config(cell: Cell, base: list[str]) -> DictConfig:
+    """The config run.py composes for ``base + cell.overrides`` (needs an initialised Hydra, as inside run.py)."""
+    from hydra import compose
+
+    return compose(config_name="config", overrides=[*base, *cell.overrides])
+
+
+def command(cell: Cell, base: list[str]) -> str:
+    """The run.py command line that computes (or, once done, skips) this cell on its own."""
+    return " ".join(["python run.py", *base, *cell.overrides])
+
+
+def results_index(root: str | Path) -> dict[str, Path]:
+    """Config hash → the first results.json under ``root`` that has it (``find_results``' rule, one scan)."""
+    index: dict[str, Path] = {}
+    root = Path(root)
+    if not root.is_dir():
+        return index
+    for path in sorted(root.rglob(RESULTS_FILE)):
+        try:
+            digest = json.loads(path.read_text(encoding="utf-8")).get("config_hash")
+        except (OSError, json.JSONDecodeError):
+            continue
+        if digest:
+            index.setdefault(digest, path)
+    return index
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def run_cells(
+    cfg: DictConfig, cells: list[Cell], run_dir: str | Path, base: list[str] | None = None
+) -> list[CellResult]:
+    """Each cell's results: reused from ``cfg.results_dir`` when its hash exists, else computed and written."""
+    from experiments import evaluate
+
+    base = base_overrides() if base is None else base
+    index = results_index(cfg.results_dir)
+    models: dict[str, tuple] = {}
+    out: list[CellResult] = []
+    for cell in cells:
+        cell_cfg = cell_config(cell, base)
+        config = OmegaConf.to_container(cell_cfg, resolve=True)
+        digest = config_hash(config)
+        found = index.get(digest)
+        if found is not None:
+            out.append(CellResult(cell, "reused", digest, found, json.loads(found.read_text(encoding="utf-8"))))
+            print(f"cell {cell.method} × {cell.task}: reused {found}")
+            continue
+        folder = Path(run_dir) / CELLS_DIR / cell.slug
+        try:
+            key = json.dumps([config["model"], config["device"]], sort_keys=True, default=str)
+            if key not in models:
+                models[key] = evaluate.load(cell_cfg)
+            model = models[key][0]
+            from kvquant.methods import get_method
+
+            get_method(cell_cfg.method.name, **evaluate.params_of(cell_cfg.method)).new_cache(model)  # fail early
+            started = time.perf_counter()
+            measured = evaluate.run(cell_cfg, out_dir=folder, loaded=models[key])
+        except KvquantError as exc:
+            out.append(CellResult(cell, "skipped", digest, reason=one_line(exc)))
+            print(f"cell {cell.method} × {cell.task}: skipped: {out[-1].reason}")
+            continue
+        device = measured.pop("device", None)
+        results = {"config": config, "config_hash": digest, **measured}
+        results["timing"] = {"wall_s": time.perf_counter() - started, **measured.get("timing", {})}
+        results["env"] = env_info(device)
+        path = write_results(folder, results)
+        index[digest] = path
+        out.append(CellResult(cell, "computed", digest, path, json.loads(path.read_text(encoding="utf-8"))))
+        print(f"cell {cell.method} × {cell.task}: {results['timing']['wall_s']:.1f}s, {path}")
+    return out
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the working directory where it lies below it (committed CSVs name no home folders)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def cell_row(result: CellResult, metric: str, scale: float = 1.0) -> dict[str, Any]:
+    """One CSV row: the cell's primary metric, n, fidelity, bits and time, straight from its results.json."""
+    cell, data = result.cell, result.results or {}
+    metrics, fidelity, bits = data.get("metrics", {}), data.get("fidelity", {}), data.get("bits", {})
+    reason = result.reason
+    if result.status != "skipped" and metric not in metrics:
+        reason = f"no metric '{metric}' in {result.path}; it has: {', '.join(sorted(metrics))}"
+    return {
+        "source": "ours",
+        "model": (data.get("model") or {}).get("name"),
+        "method": cell.method,
+        "method_name": cell.method_name,
+        "method_params": json.dumps(cell.method_params, sort_keys=True),
+        "task": cell.task,
+        "task_name": cell.task_name,
+        "status": result.status,
+        "metric": metric,
+        "value": metrics.get(metric),
+        "scale": scale,
+        "n": (data.get("task") or {}).get("n"),
+        **{name: fidelity.get(name) for name in FIDELITY},
+        "bits_stored": bits.get("stored"),
+        "bits_read": bits.get("read"),
+        "bits_analytic": bits.get("analytic_stored"),
+        "wall_s": (data.get("timing") or {}).get("wall_s"),
+        "config_hash": result.config_hash,
+        "results": shown_path(result.path) if result.path else None,
+        "reason": reason,
+    }
+
+
+def counts(results: list[CellResult]) -> dict[str, int]:
+    return {s: sum(r.status == s for r in results) for s in ("computed", "reused", "skipped")}
+
+
+def footnotes(table) -> tuple[dict[str, int], list[str]]:
+    """Each distinct skip reason numbered once (a Markdown table cell cannot hold a long line)."""
+    numbers: dict[str, int] = {}
+    for reason in table["reason"].dropna() if "reason" in table else []:
+        numbers.setdefault(str(reason), len(numbers) + 1)
+    return numbers, [f"[{i}] {reason}" for reason, i in numbers.items()]
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{float(value):.{digits}f}"
+
+
+def metric_of(task_name: str, display: Mapping[str, Any]) -> tuple[str, float]:
+    """The metric a table shows for a task (``metric``/``scale`` in the task spec override the default)."""
+    metric, scale = PRIMARY.get(task_name, (None, 1.0))
+    metric = display.get("metric", metric)
+    if metric is None:
+        raise InvalidParameterError(f"task '{task_name}' has no default table metric; give its spec a metric:")
+    return str(metric), float(display.get("scale", scale))
+
+
+def rows_for(results: list[CellResult], shown: Mapping[str, tuple[str, float]]) -> list[dict[str, Any]]:
+    """CSV rows for every cell, in grid order, each with its task's (metric, scale) from ``grid``."""
+    return [cell_row(r, *shown[r.cell.task]) for r in results]

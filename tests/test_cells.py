@@ -1,0 +1,97 @@
+"""experiments/cells.py: cell configs equal run.py's, cells are reused across tables and sweeps, failures are rows."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from hydra import initialize_config_dir
+from omegaconf import OmegaConf
+
+from experiments.cells import base_overrides, cell_config, command, grid, override_value, run_cells
+from kvquant.errors import InvalidParameterError
+from kvquant.results import config_hash
+
+RUN = ["model=stories260k", "logger=none", "progress=false"]
+
+
+def run_py(tmp_path, *args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def hydra_app():
+    return initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3")
+
+
+def test_parameters_survive_the_override_grammar():
+    params = {"tasks": ["trec", "qasper"], "limit": None, "max_length": 300, "chunk_size": 16}
+    odd = {"keep_bits": 12, "margin": 0.5, "label": "two words, 'quoted'", "flag": True, "word": "null"}
+    cells, display = grid(
+        {"t": {"name": "truncation", **odd}}, {"lb": {"name": "longbench", "metric": "trec", **params}}
+    )
+    with hydra_app():
+        cfg = cell_config(cells[0], RUN)
+    assert display == {"lb": ("trec", 1.0)}
+    assert OmegaConf.to_container(cfg.task) == {**OmegaConf.to_container(cfg.task), **params}
+    assert OmegaConf.to_container(cfg.method) == {"name": "truncation", **odd}
+    assert cfg.experiment.runner == "evaluate" and cfg.model.name == "stories260k"
+    assert override_value([1.5e-05, "a b"]) == "[1.5e-05,'a b']"
+
+
+def test_grid_checks_choices_and_base_drops_what_cells_set():
+    with pytest.raises(InvalidParameterError, match="row: unknown method 'nope'"):
+        grid({"row": {"name": "nope"}}, {"wikitext": {}})
+    given = ["model=stories260k", "experiment=table_tasks", "+experiment.methods.kivi2.group_size=8", "method=kivi2"]
+    given += ["task.limit=3", "~experiment.tasks", "device=cpu", "seed=1"]
+    assert base_overrides(given) == ["model=stories260k", "device=cpu", "seed=1"]
+
+
+def test_cells_reuse_a_sweep_compute_the_rest_and_run_py_agrees(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    base = [*RUN, f"results_dir={out}"]
+    sweep = run_py(tmp_path, "-m", *base, "method=fp16,truncation", "task=wikitext", "task.limit=1", "task.window=128")
+    swept = {json.loads(p.read_text())["method"]["name"]: p for p in (out / "multirun").rglob("results.json")}
+    assert set(swept) == {"fp16", "truncation"}, sweep.stdout
+
+    methods = {"fp16": {}, "truncation": {"keep_bits": 13}, "kivi2": {"group_size": 8, "residual": 32}}
+    methods |= {"gear2": {}, "aquakv": {}}
+    cells, _ = grid(methods, {"wikitext": {"limit": 1, "window": 128}})
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(tmp_path / "no-predictors"))
+    with hydra_app():
+        results = run_cells(OmegaConf.create({"results_dir": str(out)}), cells, out / "table", base=base)
+        hashes = [config_hash(OmegaConf.to_container(cell_config(c, base), resolve=True)) for c in cells]
+    by = {r.cell.method: r for r in results}
+    assert [r.config_hash for r in results] == hashes
+    for name in ("fp16", "truncation"):  # the sweep's runs, found by hash: the cell config is run.py's
+        assert by[name].status == "reused" and by[name].path == swept[name]
+        assert by[name].config_hash == json.loads(swept[name].read_text())["config_hash"]
+    kivi = by["kivi2"]
+    assert kivi.status == "computed" and kivi.path == out / "table" / "cells" / "kivi2_wikitext" / "results.json"
+    data = json.loads(kivi.path.read_text())
+    assert data["config_hash"] == kivi.config_hash and data["config"]["method"]["group_size"] == 8
+    assert {"config", "metrics", "fidelity", "bits", "timing", "env"} <= set(data) and data["timing"]["wall_s"] > 0
+    assert data["fidelity"]["kl"] > 0 and 2 < data["metrics"]["ppl"] < 10_000
+    assert (
+        by["gear2"].status == "skipped" and "group_size 64 does not divide the model's head_dim 8" in by["gear2"].reason
+    )
+    assert (
+        by["aquakv"].status == "skipped"
+        and "calibrate first: python run.py experiment=calibrate" in by["aquakv"].reason
+    )
+    assert "\n" not in by["aquakv"].reason
+
+    # run.py, given the cell's own command line, finds the cell's results.json and skips.
+    line = command(cells[2], base).split()[2:]
+    assert run_py(tmp_path, *line).stdout.startswith("skip: results for this config already exist at")

@@ -1,0 +1,101 @@
+"""experiments/table_tasks.py through run.py on stories260k: numbers equal their cells, cells are reused."""
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+from conftest import run_experiment
+
+from experiments.table_tasks import PUBLISHED, PUBLISHED_SOURCE, render
+
+GRID = [
+    "experiment=table_tasks",
+    "~experiment.methods",
+    "+experiment.methods={fp16:{},kivi2:{group_size:8,residual:32},truncation:{keep_bits:11},aquakv:{}}",
+    "~experiment.tasks",
+    "+experiment.tasks={coqa:{limit:1},gsm8k:{limit:1,max_gen_toks:12},truthfulqa_mc2:{limit:1},"
+    "wikitext:{limit:1,window:160}}",
+]
+FIDELITY = ["greedy_match", "first_divergence", "kl", "top1_agreement", "answer_agreement"]
+
+
+def same(csv_value, json_value):
+    if json_value is None:
+        return csv_value is None or (isinstance(csv_value, float) and math.isnan(csv_value))
+    return float(csv_value) == float(json_value)
+
+
+def markdown_rows(text: str) -> dict[str, list[str]]:
+    """The first Markdown table: row label → cells."""
+    table = text.split("\n\n")[1].splitlines()[2:]
+    return {line.split(" | ")[0][2:]: line[2:-2].split(" | ")[1:] for line in table}
+
+
+def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(tmp_path / "no-predictors"))
+    fig = run_experiment(tmp_path, *GRID)
+    table = pd.read_csv(fig / "table_tasks.csv")
+    ours, theirs = table[table.source == "ours"], table[table.source != "ours"]
+    assert len(ours) == 4 * 4 and list(dict.fromkeys(ours.task)) == ["coqa", "gsm8k", "truthfulqa_mc2", "wikitext"]
+
+    done = ours[ours.status == "computed"]
+    assert len(done) == 3 * 3  # coqa is offline, aquakv has no predictors
+    for row in done.itertuples():
+        data = json.loads(open(row.results).read())
+        assert data["config_hash"] == row.config_hash and data["method"]["name"] == row.method_name
+        assert same(row.value, data["metrics"][row.metric]) and row.n == data["task"]["n"]
+        assert same(row.bits_stored, data["bits"]["stored"]) and same(row.bits_read, data["bits"]["read"])
+        assert same(row.wall_s, data["timing"]["wall_s"])
+        for key in FIDELITY:
+            assert same(getattr(row, key), data.get("fidelity", {}).get(key)), (row.method, row.task, key)
+        if row.task == "gsm8k":  # evaluate wrote the per-example outputs into the cell's folder
+            assert data["examples"] == {"file": "examples.jsonl", "n": 1}
+            assert (Path(row.results).parent / "examples.jsonl").is_file()
+    by = done.set_index(["method", "task"])
+    assert by.loc[("fp16", "wikitext")].bits_stored == 16 and math.isnan(by.loc[("fp16", "wikitext")].kl)
+    assert by.loc[("kivi2", "wikitext")].kl > by.loc[("truncation", "wikitext")].kl > 0
+    assert by.loc[("truncation", "gsm8k")].bits_read == 11 and by.loc[("kivi2", "gsm8k")].bits_stored < 16
+    assert by.loc[("kivi2", "wikitext")].value > by.loc[("fp16", "wikitext")].value  # 2-bit keys cost perplexity
+
+    skipped = ours[ours.status == "skipped"].set_index(["method", "task"])
+    assert len(skipped) == 4 + 3 and skipped.value.isna().all()
+    assert skipped.loc[("fp16", "coqa")].reason.startswith("task coqa needs the hub dataset")
+    assert (
+        "calibrate first: python run.py experiment=calibrate method=aquakv" in skipped.loc[("aquakv", "gsm8k")].reason
+    )
+
+    # KIVI's Llama-2-7B numbers, labelled as theirs, only in the columns they published (not mc2, not ppl).
+    assert set(theirs.source) == {PUBLISHED_SOURCE} and set(theirs.status) == {"published"}
+    assert set(zip(theirs.method, theirs.task, theirs.value, strict=True)) == {
+        (m, t, PUBLISHED[m][t]) for m in PUBLISHED for t in ("coqa", "gsm8k")
+    }
+
+    text = (fig / "table_tasks.md").read_text()
+    rows = markdown_rows(text)
+    notes = {line.split("] ", 1)[1]: line.split("]")[0] + "]" for line in text.splitlines() if line.startswith("[")}
+    for row in ours.itertuples():
+        col = ["coqa", "gsm8k", "truthfulqa_mc2", "wikitext"].index(row.task)
+        shown = f"skipped {notes[row.reason]}" if row.status == "skipped" else f"{row.value * row.scale:.2f}"
+        assert rows[row.method][col] == shown
+    assert rows[f"kivi2, {PUBLISHED_SOURCE}"] == ["63.05", "12.74", "", ""]
+    assert (
+        "gsm8k: exact_match_strict ×100" in text
+        and f"| kivi2 | wikitext | 1 | – | – | {by.loc[('kivi2', 'wikitext')].kl:.4f}" in text
+    )
+    assert (tmp_path / "fig" / "table_tasks.md").read_text() == render(table, tmp_path / "again" / "t")[0].read_text()
+
+    [run] = [p for p in (tmp_path / "out" / "runs").glob("*/*/results.json")]
+    records = json.loads(run.read_text())["table"]
+    assert [r["value"] for r in records if r["status"] == "computed"] == list(done.value)
+    for rec, row in zip(records, table.to_dict(orient="records"), strict=True):  # results.json "table" = the CSV
+        assert rec == {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
+    assert json.loads(run.read_text())["experiment"]["cells"] == {"computed": 9, "reused": 0, "skipped": 7}
+
+    # Again (rerun=true recomputes the table, not its cells): every finished cell is read back, untouched.
+    stamps = {p: Path(p).stat().st_mtime_ns for p in done.results}
+    again = pd.read_csv(run_experiment(tmp_path, *GRID, "rerun=true") / "table_tasks.csv")
+    redone = again[again.source == "ours"].set_index(["method", "task"])
+    assert set(redone[redone.status == "reused"].results) == set(done.results)
+    assert (redone.loc[by.index].value == by.value).all()
+    assert {p: Path(p).stat().st_mtime_ns for p in done.results} == stamps
