@@ -67,6 +67,21 @@ def test_lossy_method_is_compared_unit_by_unit(stories):
     assert same.fidelity.summary() == {"greedy_match": 1.0, "first_divergence": 64.0, "kl": 0.0, "top1_agreement": 1.0}
 
 
+@pytest.mark.parametrize("chunked_prefill", [False, True])
+@pytest.mark.parametrize("name", ["alignedkv", "kivi2"])
+def test_teacher_forcing_along_own_tokens_reproduces_free_decoding(stories, name, chunked_prefill):
+    """Forced decoding is one decode step per token, as in generation: along the method's own greedy
+    tokens it must give the same log-probs (fed in chunks, AlignedKV would attend in full precision)."""
+    model, tok = stories
+    params = {"group_size": 8, "residual": 16} if name == "kivi2" else {}
+    engine = Engine(model, tok, get_method(name, **params), chunk_size=16)
+    prompt = ids_of(tok, 7, 40)
+    tokens, logprobs = engine._generate(prompt, 24, (), chunked_prefill)
+    forced = engine.forced_logprobs(prompt, tokens, chunked_prefill)
+    assert forced.shape == logprobs.shape
+    torch.testing.assert_close(forced, logprobs, rtol=0, atol=1e-4)
+
+
 def test_cut_at_stop():
     assert cut_at_stop("42\n\nQuestion: x", ["Question:", "\n\n"]) == "42"
     assert cut_at_stop("no stop", ["Q:"]) == "no stop"

@@ -102,18 +102,25 @@ class Engine:
             self.counts = self.counts + cache.counts()
 
     @torch.no_grad()
-    def feed(self, ids: Sequence[int], cache, on_logits: Callable[[torch.Tensor], None] | None = None) -> None:
+    def feed(
+        self,
+        ids: Sequence[int],
+        cache,
+        on_logits: Callable[[torch.Tensor], None] | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
         """Feed ``ids`` through ``cache`` ``chunk_size`` tokens at a time; hand each chunk's logits (fp32, CPU) on."""
         device = self.model.device
-        for start in range(0, len(ids), self.chunk_size):
-            chunk = torch.tensor([list(ids[start : start + self.chunk_size])], dtype=torch.long, device=device)
+        step = chunk_size or self.chunk_size
+        for start in range(0, len(ids), step):
+            chunk = torch.tensor([list(ids[start : start + step])], dtype=torch.long, device=device)
             logits = self.model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0]
             if on_logits is not None:
                 on_logits(logits.float().cpu())
 
-    def chunked_logits(self, ids: Sequence[int], cache) -> torch.Tensor:
+    def chunked_logits(self, ids: Sequence[int], cache, chunk_size: int | None = None) -> torch.Tensor:
         parts: list[torch.Tensor] = []
-        self.feed(ids, cache, parts.append)
+        self.feed(ids, cache, parts.append, chunk_size)
         return torch.cat(parts) if parts else torch.empty(0, self.model.config.vocab_size)
 
     # ------------------------------------------------------------------ log-likelihood
@@ -231,16 +238,21 @@ class Engine:
 
     @torch.no_grad()
     def forced_logprobs(self, ids: list[int], forced: torch.Tensor, chunked_prefill: bool) -> torch.Tensor:
-        """The method's next-token log-probs along ``forced`` (teacher forcing, fed in chunks)."""
+        """The method's next-token log-probs along ``forced`` (teacher forcing).
+
+        The prompt is processed as the free generation processes it, and then every forced token is
+        one decode step, as in generation: fed in chunks, a multi-token forward would attend in full
+        precision within the chunk (AlignedKV reads aligned only in decode), and KL would read ≈ 0.
+        """
         cache = self.new_cache()
         if chunked_prefill:
             self.feed(ids[:-1], cache)
-            logits = self.chunked_logits(ids[-1:] + forced[:-1].tolist(), cache)
+            logits = self.chunked_logits(ids[-1:] + forced[:-1].tolist(), cache, chunk_size=1)
         else:
             first = self.model(
                 input_ids=torch.tensor([ids], device=self.model.device), past_key_values=cache, use_cache=True
             ).logits[0, -1:]
-            logits = torch.cat([first.float().cpu(), self.chunked_logits(forced[:-1].tolist(), cache)])
+            logits = torch.cat([first.float().cpu(), self.chunked_logits(forced[:-1].tolist(), cache, chunk_size=1)])
         self._retire(cache)
         return torch.log_softmax(logits, dim=-1)
 
