@@ -23,7 +23,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,3 +290,32 @@ def metric_of(task_name: str, display: Mapping[str, Any]) -> tuple[str, float]:
 def rows_for(results: list[CellResult], shown: Mapping[str, tuple[str, float]]) -> list[dict[str, Any]]:
     """CSV rows for every cell, in grid order, each with its task's (metric, scale) from ``grid``."""
     return [cell_row(r, *shown[r.cell.task]) for r in results]
+
+
+def run_table(
+    cfg: DictConfig,
+    name: str,
+    render: Callable,
+    extra_rows: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """A table runner's whole ``run``: the grid of ``cfg.experiment``, its cells, the CSV (plus
+    ``extra_rows(ours)``, e.g. published numbers) rendered and published, and the results.json blocks."""
+    import pandas as pd
+    from hydra.core.hydra_config import HydraConfig
+
+    from experiments.figures import publish, records
+
+    exp = cfg.experiment
+    cells, shown = grid(
+        OmegaConf.to_container(exp.methods, resolve=True), OmegaConf.to_container(exp.tasks, resolve=True)
+    )
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    results = run_cells(cfg, cells, run_dir)
+    ours = rows_for(results, shown)
+    rows = [*ours, *(extra_rows(ours) if extra_rows else [])]
+    table, _ = publish(render, name, pd.DataFrame(rows), run_dir, exp.figures_dir)
+    print((run_dir / f"{name}.md").read_text(encoding="utf-8"))
+    return {
+        "experiment": {"name": name, "cells": counts(results), "figures": str(Path(exp.figures_dir) / name)},
+        "table": records(table),
+    }

@@ -12,11 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from experiments.cells import counts, fmt, footnotes, grid, rows_for, run_cells
-from experiments.figures import publish, records
+from experiments.cells import fmt, footnotes, run_table
 
 NAME = "table_tasks"
 PUBLISHED_SOURCE = "published (Llama-2-7B, KIVI paper)"
@@ -123,18 +121,4 @@ def render(table, stem: Path) -> list[Path]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    import pandas as pd
-
-    exp = cfg.experiment
-    methods = OmegaConf.to_container(exp.methods, resolve=True)
-    tasks = OmegaConf.to_container(exp.tasks, resolve=True)
-    cells, shown = grid(methods, tasks)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    results = run_cells(cfg, cells, run_dir)
-    ours = rows_for(results, shown)
-    table, _ = publish(render, NAME, pd.DataFrame([*ours, *published_rows(ours)]), run_dir, exp.figures_dir)
-    print((run_dir / f"{NAME}.md").read_text(encoding="utf-8"))
-    return {
-        "experiment": {"name": NAME, "cells": counts(results), "figures": str(Path(exp.figures_dir) / NAME)},
-        "table": records(table),
-    }
+    return run_table(cfg, NAME, render, published_rows)

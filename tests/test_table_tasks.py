@@ -2,7 +2,6 @@
 
 import json
 import math
-from pathlib import Path
 
 import pandas as pd
 from conftest import run_experiment
@@ -42,7 +41,7 @@ def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
     done = ours[ours.status == "computed"]
     assert len(done) == 3 * 3  # coqa is offline, aquakv has no predictors
     for row in done.itertuples():
-        data = json.loads(open(row.results).read())
+        data = json.loads((tmp_path / row.results).read_text())  # relative to where run.py ran
         assert data["config_hash"] == row.config_hash and data["method"]["name"] == row.method_name
         assert same(row.value, data["metrics"][row.metric]) and row.n == data["task"]["n"]
         assert same(row.bits_stored, data["bits"]["stored"]) and same(row.bits_read, data["bits"]["read"])
@@ -51,7 +50,7 @@ def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
             assert same(getattr(row, key), data.get("fidelity", {}).get(key)), (row.method, row.task, key)
         if row.task == "gsm8k":  # evaluate wrote the per-example outputs into the cell's folder
             assert data["examples"] == {"file": "examples.jsonl", "n": 1}
-            assert (Path(row.results).parent / "examples.jsonl").is_file()
+            assert (tmp_path / row.results).with_name("examples.jsonl").is_file()
     by = done.set_index(["method", "task"])
     assert by.loc[("fp16", "wikitext")].bits_stored == 16 and math.isnan(by.loc[("fp16", "wikitext")].kl)
     assert by.loc[("kivi2", "wikitext")].kl > by.loc[("truncation", "wikitext")].kl > 0
@@ -93,9 +92,9 @@ def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
     assert json.loads(run.read_text())["experiment"]["cells"] == {"computed": 9, "reused": 0, "skipped": 7}
 
     # Again (rerun=true recomputes the table, not its cells): every finished cell is read back, untouched.
-    stamps = {p: Path(p).stat().st_mtime_ns for p in done.results}
+    stamps = {p: (tmp_path / p).stat().st_mtime_ns for p in done.results}
     again = pd.read_csv(run_experiment(tmp_path, *GRID, "rerun=true") / "table_tasks.csv")
     redone = again[again.source == "ours"].set_index(["method", "task"])
     assert set(redone[redone.status == "reused"].results) == set(done.results)
     assert (redone.loc[by.index].value == by.value).all()
-    assert {p: Path(p).stat().st_mtime_ns for p in done.results} == stamps
+    assert {p: (tmp_path / p).stat().st_mtime_ns for p in done.results} == stamps
