@@ -17,15 +17,17 @@ def test_fwht_is_the_sylvester_product_and_its_own_inverse_up_to_scale(n):
     assert torch.allclose(fwht(fwht(x)), n * x, atol=1e-9)
 
 
-@pytest.mark.parametrize("n", [12, 20, 24, 40, 192, 320, 768])
-def test_paley_kronecker_sizes_are_hadamard_and_invertible(n):
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("n", [8, 12, 20, 24, 40, 64, 192, 256, 320, 768])
+def test_paley_kronecker_sizes_are_hadamard_and_invertible(n, fast):
+    """Both paths (dense matmul up to DENSE_MAX by default, structured fast transform) are the same rotation."""
     h = hadamard_matrix(n)
     assert set(h.unique().tolist()) == {-1.0, 1.0}
     assert torch.allclose(h @ h.T, n * torch.eye(n))
     x = torch.randn(4, n, generator=torch.Generator().manual_seed(0))
-    y = hadamard_transform(x)
+    y = hadamard_transform(x, fast=fast)
     assert torch.allclose(y, x @ h / n**0.5, atol=1e-4)
-    assert torch.allclose(hadamard_transform(y, inverse=True), x, atol=1e-4)
+    assert torch.allclose(hadamard_transform(y, inverse=True, fast=fast), x, atol=1e-4)
     assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)  # orthonormal
 
 

@@ -7,6 +7,10 @@ also handles ``n = m · 2^k`` with ``m`` ∈ {12, 20}: the Kronecker product of 
 ``m`` (dense, tiny) with the Sylvester matrix of order ``2^k`` (fast). Other sizes must be padded
 (``supported_size`` says to what).
 
+``hadamard_transform`` applies sizes up to ``DENSE_MAX`` = 256 as one matmul with the cached ±1 matrix
+(on a CPU that beats the butterfly's log2(n) passes of small copies: HIGGS dequantizes the whole history
+every decode step) and larger ones with the O(n log n) path; both give the same matrix (tested).
+
 Pure torch: this module imports with torch alone.
 """
 
@@ -17,6 +21,7 @@ from functools import cache
 import torch
 
 PALEY_ORDERS = (12, 20)
+DENSE_MAX = 256  # up to this size a transform is one dense matmul (±1 entries: exact in fp32); beyond, O(n log n)
 
 
 def is_power_of_two(n: int) -> bool:
@@ -86,6 +91,11 @@ def supported_size(n: int) -> int:
     return size
 
 
+@cache
+def _hadamard_cached(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return hadamard_matrix(n).to(device=device, dtype=dtype)
+
+
 def hadamard_matrix(n: int) -> torch.Tensor:
     """The dense ``n×n`` matrix ``hadamard_transform`` applies (unnormalized), for tests."""
     m, p = _factor_or_raise(n)
@@ -99,14 +109,20 @@ def _factor_or_raise(n: int) -> tuple[int, int]:
     return f
 
 
-def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def hadamard_transform(x: torch.Tensor, inverse: bool = False, fast: bool | None = None) -> torch.Tensor:
     """Orthonormal Hadamard rotation along the last dim: ``x @ H / sqrt(n)`` (``inverse``: ``x @ Hᵀ / sqrt(n)``).
 
     ``x`` is treated as ``m × 2^k`` blocks: the fast transform runs on the ``2^k`` axis and the small
-    Paley matrix mixes the ``m`` axis, which is ``x @ kron(H_m, H_{2^k})``.
+    Paley matrix mixes the ``m`` axis, which is ``x @ kron(H_m, H_{2^k})``. ``fast=False`` (the default
+    up to ``DENSE_MAX``) multiplies by that matrix instead; ``fast=True`` forces the structured path.
     """
     n = x.shape[-1]
     m, p = _factor_or_raise(n)
+    if fast is None:
+        fast = n > DENSE_MAX or not x.is_floating_point()
+    if not fast:  # small (SmolLM2's 192): one matmul with the cached matrix
+        h = _hadamard_cached(n, x.dtype, x.device)
+        return (x @ (h.T if inverse else h)) * (n**-0.5)
     y = fwht(x) if m == 1 else fwht(x.reshape(*x.shape[:-1], m, p))
     if m > 1:
         h = paley(m).to(device=x.device, dtype=x.dtype)

@@ -124,7 +124,7 @@ class Higgs:
         """Reconstruct ``[..., channels]`` from codes and scales."""
         codes = bitpack.unpack(q.codes, self.code_bits, self.n_codes)
         grid = self.grid.to(device=codes.device, dtype=dtype)
-        y = grid[codes].reshape(*codes.shape[:-1], self.n_groups, self.padded_group)
+        y = F.embedding(codes.long(), grid).reshape(*codes.shape[:-1], self.n_groups, self.padded_group)  # a gather
         signs = self.signs.to(device=y.device, dtype=dtype)
         g = hadamard_transform(y, inverse=True) * signs * q.scales.to(dtype).unsqueeze(-1)
         return g[..., : self.group].reshape(*codes.shape[:-1], -1)[..., : self.channels]
