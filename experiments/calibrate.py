@@ -13,11 +13,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from experiments.evaluate import params_of
+from experiments.evaluate import load, params_of
 from kvquant.errors import KvquantError
 from kvquant.methods import get_method
 from kvquant.methods.aquakv import AquaKVMethod, model_identity
-from kvquant.models import load_model, model_info, resolve_device
+from kvquant.models import model_info
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -28,14 +28,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             f"experiment=calibrate fits AQUA-KV predictors; method '{cfg.method.name}' has none "
             "(use method=aquakv, aquakv_k_only or aquakv_v_only)"
         )
-    device = resolve_device(cfg.device)
-    model, tokenizer = load_model(
-        cfg.model.path or cfg.model.name,
-        dtype=cfg.model.dtype,
-        device=device,
-        device_map=cfg.model.device_map,
-        hub_id=cfg.model.get("hub_id"),
-    )
+    model, tokenizer, device = load(cfg)
     exp = cfg.experiment
     started = time.perf_counter()
     pred = method.calibrate(

@@ -82,16 +82,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from tqdm.auto import tqdm
 
+    from experiments.evaluate import load
     from kvquant.analysis.relerr import relative_error_table
     from kvquant.data import wikitext2_test
     from kvquant.errors import InvalidParameterError
     from kvquant.eval.fidelity import greedy_decode
     from kvquant.methods import get_method
-    from kvquant.models import load_model, model_info, resolve_device
+    from kvquant.models import model_info
 
     exp = cfg.experiment
-    device = resolve_device(cfg.device)
-    model, tok = load_model(cfg.model.path or cfg.model.name, dtype=cfg.model.dtype, device=device)
+    model, tok, device = load(cfg)
     limit = model.config.max_position_embeddings
     if max(exp.contexts) + exp.new_tokens > limit:
         raise InvalidParameterError(f"experiment.contexts up to {max(exp.contexts)} + {exp.new_tokens} exceed {limit}")

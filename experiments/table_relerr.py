@@ -79,13 +79,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from tqdm.auto import tqdm
 
+    from experiments.evaluate import load
     from kvquant.analysis.relerr import relative_error_table
     from kvquant.data import wikitext2_test
-    from kvquant.models import load_model, model_info, resolve_device
+    from kvquant.models import model_info
 
     exp = cfg.experiment
-    device = resolve_device(cfg.device)
-    model, tok = load_model(cfg.model.path or cfg.model.name, dtype=cfg.model.dtype, device=device)
+    model, tok, device = load(cfg)
     context = min(int(exp.context), model.config.max_position_embeddings - 1)
     methods, skipped = build_methods(OmegaConf.to_container(exp.methods, resolve=True), model)
     ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
