@@ -93,20 +93,31 @@ def load_script(name: str):
     return module
 
 
+def run_py(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 600, drop_env=()):
+    """``python run.py *args`` in a subprocess from ``cwd``, offline, W&B off unless ``env`` says otherwise."""
+    base = {k: v for k, v in os.environ.items() if k not in drop_env}
+    full_env = {**base, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def run_experiment(tmp_path: Path, *overrides: str) -> Path:
     """``run.py experiment=… model=stories260k`` in a subprocess; returns the figures folder it wrote."""
-    args = [
-        sys.executable,
-        str(ROOT / "run.py"),
+    proc = run_py(
+        tmp_path,
         "model=stories260k",
         "logger=none",
         "progress=false",
         f"results_dir={tmp_path / 'out'}",
         f"experiment.figures_dir={tmp_path / 'fig'}",
         *overrides,
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return tmp_path / "fig"
 

@@ -1,12 +1,9 @@
 """experiments/cells.py: cell configs equal run.py's, cells are reused across tables and sweeps, failures are rows."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_py
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -17,16 +14,8 @@ from kvquant.results import config_hash
 RUN = ["model=stories260k", "logger=none", "progress=false"]
 
 
-def run_py(tmp_path, *args):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def run_ok(tmp_path, *args):
+    proc = run_py(tmp_path, *args, env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
@@ -61,7 +50,7 @@ def test_grid_checks_choices_and_base_drops_what_cells_set():
 def test_cells_reuse_a_sweep_compute_the_rest_and_run_py_agrees(tmp_path, monkeypatch):
     out = tmp_path / "out"
     base = [*RUN, f"results_dir={out}"]
-    sweep = run_py(tmp_path, "-m", *base, "method=fp16,truncation", "task=wikitext", "task.limit=1", "task.window=128")
+    sweep = run_ok(tmp_path, "-m", *base, "method=fp16,truncation", "task=wikitext", "task.limit=1", "task.window=128")
     swept = {json.loads(p.read_text())["method"]["name"]: p for p in (out / "multirun").rglob("results.json")}
     assert set(swept) == {"fp16", "truncation"}, sweep.stdout
 
@@ -94,4 +83,4 @@ def test_cells_reuse_a_sweep_compute_the_rest_and_run_py_agrees(tmp_path, monkey
 
     # run.py, given the cell's own command line, finds the cell's results.json and skips.
     line = command(cells[2], base).split()[2:]
-    assert run_py(tmp_path, *line).stdout.startswith("skip: results for this config already exist at")
+    assert run_ok(tmp_path, *line).stdout.startswith("skip: results for this config already exist at")

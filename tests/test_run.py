@@ -1,28 +1,17 @@
 """The Hydra entry point, end to end, as a user runs it."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import run_py
 
 FAST = ["model=stories260k", "logger=none", "progress=false", "task.ppl_pieces=20", "task.max_new_tokens=8"]
 
 
 def run_cli(tmp_path, *args, **env):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", **env}
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
-    return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *flags, f"results_dir={tmp_path}", *overrides],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_py(tmp_path, *flags, f"results_dir={tmp_path}", *overrides, env=env, timeout=300)
 
 
 def results_files(tmp_path):

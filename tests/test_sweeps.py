@@ -2,11 +2,9 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import run_py
 
 from kvquant.results import flatten
 from kvquant.tracking import read_offline_run
@@ -16,22 +14,8 @@ FAST = ["model=stories260k", "progress=false", "task.ppl_pieces=5", "task.max_ne
 
 def sweep(results_dir, *args, **env):
     """``run.py -m …`` in a subprocess, offline, with no AQUA-KV predictors (so ``aquakv`` fails)."""
-    base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env = {
-        **base,
-        "HF_HUB_OFFLINE": "1",
-        "WANDB_MODE": "disabled",
-        "KVQUANT_PREDICTOR_DIR": str(results_dir / "no-predictors"),
-        **env,
-    }
-    return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), "-m", f"results_dir={results_dir}", *FAST, *args],
-        cwd=results_dir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    env = {"KVQUANT_PREDICTOR_DIR": str(results_dir / "no-predictors"), **env}
+    return run_py(results_dir, "-m", f"results_dir={results_dir}", *FAST, *args, env=env, drop_env=("OMP_NUM_THREADS",))
 
 
 def by_method(results_dir):
@@ -132,21 +116,7 @@ def test_joblib_sweep_matches_the_basic_launcher_and_resumes(basic, tmp_path):
 
 @pytest.mark.parametrize("launcher", ["submitit_slurm", "slurm"])
 def test_slurm_launcher_composes_without_a_cluster(tmp_path, launcher):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "run.py"),
-            f"hydra/launcher={launcher}",
-            "hydra.launcher.partition=gpu",
-            "--cfg",
-            "hydra",
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_py(tmp_path, f"hydra/launcher={launcher}", "hydra.launcher.partition=gpu", "--cfg", "hydra", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "_target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher" in proc.stdout
     assert "partition: gpu" in proc.stdout
