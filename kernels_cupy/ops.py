@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kernels_cupy.loader import i32, launch, ptr, sm_count
+from kernels_cupy.loader import i32, launch, ptr, shared_memory_budget, sm_count
+from kvquant.errors import InvalidParameterError, KvquantError
 
 if TYPE_CHECKING:
     from kvquant.alignment import PlaneStore
@@ -23,6 +24,8 @@ THREADS = 256
 INT_MAX = 2**31 - 1
 TOKENS_PER_STEP = 4  # sv.cu TOKENS_PER_STEP
 TILE_STRIDE = 66  # pack.cu / qk.cu TILE_STRIDE
+FP16_MAX = 65504.0  # kvquant.cache.FP16_MAX (not imported: kvquant.cache needs transformers)
+ALIGN = 16  # bytes: the widest vector load (uint4) any kernel makes from a tensor's start
 
 
 def check_head_dim(d: int) -> None:
@@ -36,8 +39,49 @@ def tiers(thresholds: tuple[float, float]) -> tuple[int, int]:
     return tuple(INT_MAX if math.isinf(t) else min(INT_MAX, math.ceil(t)) for t in thresholds)
 
 
-def _c(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
+def kernel_arg(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Contiguous and 16-byte aligned: a view at an odd offset would fault on the kernels' vector loads."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
+
+
+def row_chunks(rows: int, bytes_per_row: int, fixed_bytes: int, budget: int, what: str) -> list[tuple[int, int]]:
+    """``(row0, n_rows)`` launches covering ``rows`` query rows, as few as fit ``fixed + n·per_row ≤ budget``.
+
+    A ``prefill_aligned`` chunk brings (query heads per KV head) × (tokens) rows, which can exceed
+    one block's shared memory; sizes differ by at most one row, so no launch is a sliver.
+    """
+    fit = (budget - fixed_bytes) // bytes_per_row
+    if fit < 1:
+        raise InvalidParameterError(
+            f"{what} needs {fixed_bytes + bytes_per_row} bytes of shared memory for one query row; "
+            f"the device allows {budget}"
+        )
+    n = math.ceil(rows / fit)
+    base, extra = divmod(rows, n)
+    sizes = [base + 1] * extra + [base] * (n - extra)
+    return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+
+
+def qk_shared_bytes(d: int) -> tuple[int, int]:
+    """``(per query row, fixed)`` dynamic shared memory of ``qk.cu``."""
+    return d * 4, (2 * d + max(d, THREADS // 32)) * 4 + d * TILE_STRIDE * 2
+
+
+def check_storable(x: torch.Tensor, what: str) -> None:
+    """``kvquant.cache.to_fp16_checked``'s rule: NaN, ±inf and values beyond fp16's range are refused.
+
+    The model path refuses them before its store sees them (a plane read would turn inf into NaN),
+    so the kernels' store refuses them too, with the same message, before anything is written.
+    """
+    if bool((~(x.abs() <= FP16_MAX)).any()):  # one pass; NaN fails the comparison
+        bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)
+        raise KvquantError(
+            f"{int(bad.sum())} {what} values are NaN/inf or outside fp16's range "
+            f"(±{FP16_MAX:g}; {int(torch.isnan(x).sum())} NaN) and cannot be stored as fp16"
+        )
 
 
 def _geometry(store: PlaneStore, query: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
@@ -57,11 +101,15 @@ def _geometry(store: PlaneStore, query: torch.Tensor) -> tuple[int, int, int, in
 def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
     """``PlaneStore.append`` with the plane split, the max ``|K|`` and the block exponents done by one kernel pass.
 
-    ``k``/``v``: ``[b, h, t, d]`` on a CUDA device (cast to fp16, as the store holds).
+    ``k``/``v``: ``[b, h, t, d]`` on a CUDA device (cast to fp16, as the store holds). The tails the
+    store keeps are always its own aligned copies, never the caller's tensors.
     """
     check_head_dim(k.shape[-1])
-    k16, v16 = k.to(torch.float16).contiguous(), v.to(torch.float16).contiguous()
+    check_storable(k, "key")
+    check_storable(v, "value")
+    k16, v16 = kernel_arg(k.to(torch.float16)), kernel_arg(v.to(torch.float16))
     b, h, t, d = k16.shape
+    owned = not store._empty  # a torch.cat below is the store's own; k16 may be the caller's tensor
     if store._empty:
         chunk_k, chunk_v = k16, v16
         store.k_absmax = torch.zeros(b, h, d, dtype=torch.float16, device=k.device)
@@ -100,9 +148,11 @@ def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
         for name, tensor in planes.items():
             old = getattr(store, name)
             setattr(store, name, tensor if old is None else torch.cat([old, tensor], dim=2))
-        store.tail_k, store.tail_v = chunk_k[:, :, full:].clone(), chunk_v[:, :, full:].clone()
-    else:
-        store.tail_k, store.tail_v = chunk_k, chunk_v
+    if full or not owned:
+        contiguous = torch.contiguous_format
+        chunk_k = chunk_k[:, :, full:].clone(memory_format=contiguous)
+        chunk_v = chunk_v[:, :, full:].clone(memory_format=contiguous)
+    store.tail_k, store.tail_v = chunk_k, chunk_v
 
 
 def qk(
@@ -121,7 +171,7 @@ def qk(
     (``full``). ``keys`` (``[b, hkv, L, d]`` fp16, only with ``return_keys``) is what was read.
     """
     b, hq, q_len, d, hkv, rows, n_tokens = _geometry(store, query)
-    q = query.float().contiguous()
+    q = kernel_arg(query.float())
     n_tail = store.tail_k.shape[2]
     n_blk = 0 if store.k_a is None else store.k_a.shape[2]
     use_blocks = blockwise and store.k_exp is not None and not full
@@ -135,31 +185,42 @@ def qk(
     per_cta = max(1, math.ceil(n_units * b * hkv / (sm_count(dev.index or 0) * 16)))
     name = "qk_full" if full else ("qk_aligned_blockwise" if use_blocks else "qk_aligned")
     t12, t8 = tiers(k_thresholds)
-    k_a, k_b, k_c, tail_k, k_absmax = (_c(x) for x in (store.k_a, store.k_b, store.k_c, store.tail_k, store.k_absmax))
-    k_exp = _c(store.k_exp) if use_blocks else None
-    args = (
-        ptr(q),
-        ptr(k_a),
-        ptr(k_b),
-        ptr(k_c),
-        ptr(tail_k),
-        ptr(k_absmax),
-        ptr(k_exp),
-        ptr(logits),
-        ptr(wk),
-        ptr(keys),
-        i32(rows),
-        i32(d),
-        i32(n_blk),
-        i32(n_blk),
-        i32(n_tail),
-        i32(per_cta),
-        np.float32(scaling),
-        i32(t12),
-        i32(t8),
+    k_a, k_b, k_c, tail_k, k_absmax = (
+        kernel_arg(x) for x in (store.k_a, store.k_b, store.k_c, store.tail_k, store.k_absmax)
     )
-    shared = rows * d * 4 + (2 * d + max(d, THREADS // 32)) * 4 + d * TILE_STRIDE * 2
-    launch("qk.cu", name, (math.ceil(n_units / per_cta), b * hkv), THREADS, args, shared_mem=shared)
+    k_exp = kernel_arg(store.k_exp) if use_blocks else None
+    per_row, fixed = qk_shared_bytes(d)
+    chunks = row_chunks(rows, per_row, fixed, shared_memory_budget(dev.index or 0), "QKᵀ")
+    q_max_bits = None
+    if len(chunks) > 1 and not full:  # each launch holds some rows; the widths need max |q| over all
+        q_max_bits = (q.view(b * hkv, rows, d).view(torch.int32) & 0x7FFFFFFF).amax(dim=1)
+    for row0, rc in chunks:
+        first = row0 == 0  # later chunks decide the same widths and read the same keys: not written twice
+        args = (
+            ptr(q),
+            ptr(q_max_bits),
+            ptr(k_a),
+            ptr(k_b),
+            ptr(k_c),
+            ptr(tail_k),
+            ptr(k_absmax),
+            ptr(k_exp),
+            ptr(logits),
+            ptr(wk if first else None),
+            ptr(keys if first else None),
+            i32(rc),
+            i32(rows),
+            i32(row0),
+            i32(d),
+            i32(n_blk),
+            i32(n_blk),
+            i32(n_tail),
+            i32(per_cta),
+            np.float32(scaling),
+            i32(t12),
+            i32(t8),
+        )
+        launch("qk.cu", name, (math.ceil(n_units / per_cta), b * hkv), THREADS, args, shared_mem=fixed + rc * per_row)
     return logits, wk, keys
 
 
@@ -172,7 +233,7 @@ def softmax_scores(logits: torch.Tensor, attention_mask: torch.Tensor | None = N
 
 
 def value_exponents(store: PlaneStore, scores: torch.Tensor, topk: int = 32) -> torch.Tensor:
-    """``e(O_est) + 15`` per (batch·KV head, channel) (int32), as inside ``value_widths``.
+    """``e(O_est) + 15`` per (batch·KV head, channel) (int32), as inside ``reference_value_widths``.
 
     ``scores``: ``[b, hq, q_len, L]`` attention probabilities.
     """
@@ -181,7 +242,7 @@ def value_exponents(store: PlaneStore, scores: torch.Tensor, topk: int = 32) -> 
     d = store.tail_v.shape[-1]
     rows = (hq // hkv) * q_len
     bh = b * hkv
-    s = scores.float().contiguous()
+    s = kernel_arg(scores.float())
     dev = s.device
     n_strided = math.ceil(n_tokens / topk)
     wanted_splits = max(1, math.ceil(sm_count(dev.index or 0) * 16 / (bh * rows)))
@@ -194,25 +255,26 @@ def value_exponents(store: PlaneStore, scores: torch.Tensor, topk: int = 32) -> 
     launch("sv.cu", "topk_partial", (splits, bh * rows), threads, args)
     e_o = torch.empty(bh, d, dtype=torch.int32, device=dev)
     n_full = store.n_full
-    v_a, tail_v = _c(store.v_a), _c(store.tail_v)
-    args = (
-        ptr(best_val),
-        ptr(best_idx),
-        ptr(v_a),
-        ptr(tail_v),
-        ptr(e_o),
-        i32(rows),
-        i32(d),
-        i32(topk),
-        i32(splits),
-        i32(n_full),
-        i32(n_full),
-        i32(store.tail_v.shape[2]),
-    )
-    shared = rows * topk * 8
-    if shared > 200 * 1024:
-        raise ValueError(f"topk={topk} with {rows} query rows per KV head needs {shared} bytes of shared memory")
-    launch("sv.cu", "value_exponents", (bh,), THREADS, args, shared_mem=shared)
+    v_a, tail_v = kernel_arg(store.v_a), kernel_arg(store.tail_v)
+    per_row = topk * 8
+    for row0, rc in row_chunks(rows, per_row, 0, shared_memory_budget(dev.index or 0), f"topk={topk}"):
+        args = (
+            ptr(best_val),
+            ptr(best_idx),
+            ptr(v_a),
+            ptr(tail_v),
+            ptr(e_o),
+            i32(rc),
+            i32(rows),
+            i32(row0),
+            i32(d),
+            i32(topk),
+            i32(splits),
+            i32(n_full),
+            i32(n_full),
+            i32(store.tail_v.shape[2]),
+        )
+        launch("sv.cu", "value_exponents", (bh,), THREADS, args, shared_mem=rc * per_row)
     return e_o
 
 
@@ -226,7 +288,7 @@ def sv(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``scores @ V`` ``[b, hq, q_len, d]`` (fp32) with values read at the rule's widths.
 
-    Returns ``(out, wv, values)``: ``wv`` ``[b, hkv, n_full]`` as ``value_widths`` over the plane
+    Returns ``(out, wv, values)``: ``wv`` ``[b, hkv, n_full]`` as ``reference_value_widths`` over the plane
     tokens (``None`` for the 16-bit control); ``values`` (``[b, hkv, L, d]`` fp16, only with
     ``return_values``) is what was read. ``e_o`` comes from ``value_exponents`` (unused if ``full``).
     """
@@ -235,7 +297,7 @@ def sv(
     check_head_dim(d)
     rows = (hq // hkv) * q_len
     bh = b * hkv
-    s = scores.float().contiguous()
+    s = kernel_arg(scores.float())
     dev = s.device
     n_full, n_tail = store.n_full, store.tail_v.shape[2]
     cpt = 4 if d <= 128 else 8
@@ -249,7 +311,7 @@ def sv(
     values = torch.empty(b, hkv, n_tokens, d, dtype=torch.float16, device=dev) if return_values else None
     t12, t8 = tiers(v_thresholds)
     row_chunk = 8 if d <= 128 else 4
-    v_a, v_b, v_c, tail_v = (_c(x) for x in (store.v_a, store.v_b, store.v_c, store.tail_v))
+    v_a, v_b, v_c, tail_v = (kernel_arg(x) for x in (store.v_a, store.v_b, store.v_c, store.tail_v))
     for row0 in range(0, rows, row_chunk):
         rc = min(row_chunk, rows - row0)
         name = f"sv_{'full' if full else 'aligned'}_r{rc}_c{cpt}"

@@ -7,23 +7,28 @@
 //
 // Grid (ceil(n_units / units_per_cta), B*Hkv), NUM_THREADS (256) threads. Dynamic shared memory:
 // R*D floats (queries) + 3*D ints + D*TILE_STRIDE ushorts (one dequantised block, channel-major).
+// A launch takes the R rows row0 .. row0+R-1 of R_total. The widths need max|q| over all R_total
+// rows: a launch holding only some of them (a chunk too large for shared memory, split by ops.py)
+// gets it precomputed in q_max_bits; with q_max_bits null it is taken from the R rows it holds.
 #include "planes.cuh"
 
 #define TILE_STRIDE 66
 
 template <bool FULL, bool BLOCKWISE>
 __device__ __forceinline__ void qk_impl(
-    const float* __restrict__ q,               // [BH, R, D]
+    const float* __restrict__ q,               // [BH, R_total, D]
+    const unsigned int* __restrict__ q_max_bits,  // [BH, D] max |q| bits over the R_total rows, or null
     const unsigned char* __restrict__ k_a,      // [BH, cap_blk, D, 64]
     const unsigned char* __restrict__ k_b,      // [BH, cap_blk, D, 32]
     const unsigned char* __restrict__ k_c,      // [BH, cap_blk, D, 32]
     const unsigned short* __restrict__ tail_k,  // [BH, n_tail, D] fp16 bits
     const unsigned short* __restrict__ k_absmax,// [BH, D] fp16 bits
     const unsigned char* __restrict__ k_exp,    // [BH, cap_blk, D] (BLOCKWISE)
-    float* __restrict__ logits,                 // [BH, R, L]
+    float* __restrict__ logits,                 // [BH, R_total, L]
     int* __restrict__ wk,                       // [BH, D] or [BH, nblk, D]; null: not written
     unsigned short* __restrict__ keys_out,      // [BH, L, D] fp16 bits of what was read; null: not written
-    int R, int D, int nblk, int cap_blk, int n_tail, int units_per_cta, float scaling, int t12, int t8)
+    int R, int R_total, int row0, int D, int nblk, int cap_blk, int n_tail, int units_per_cta, float scaling,
+    int t12, int t8)
 {
     extern __shared__ float smem[];
     float* qs = smem;                                   // [R * D]
@@ -34,7 +39,8 @@ __device__ __forceinline__ void qk_impl(
 
     const int bh = blockIdx.y;
     const int L = nblk * 64 + n_tail;
-    for (int i = threadIdx.x; i < R * D; i += blockDim.x) qs[i] = q[(long long)bh * R * D + i];
+    const float* q_rows = q + ((long long)bh * R_total + row0) * D;
+    for (int i = threadIdx.x; i < R * D; i += blockDim.x) qs[i] = q_rows[i];
     __syncthreads();
 
     int max_p = ZERO_EXPONENT * 2;
@@ -42,7 +48,10 @@ __device__ __forceinline__ void qk_impl(
         int local = ZERO_EXPONENT * 2;
         for (int c = threadIdx.x; c < D; c += blockDim.x) {
             unsigned int q_max = 0u;  // max |q| on the magnitude bits: exact, no -ftz flush
-            for (int r = 0; r < R; ++r) q_max = max(q_max, __float_as_uint(qs[r * D + c]) & 0x7FFFFFFFu);
+            if (q_max_bits != nullptr)
+                q_max = q_max_bits[(long long)bh * D + c];
+            else
+                for (int r = 0; r < R; ++r) q_max = max(q_max, __float_as_uint(qs[r * D + c]) & 0x7FFFFFFFu);
             e_q[c] = floor_log2_bits(q_max);
             const int p = e_q[c] + floor_log2f(half_bits_to_float(k_absmax[(long long)bh * D + c]));
             w_col[c] = p;
@@ -121,20 +130,22 @@ __device__ __forceinline__ void qk_impl(
                 for (int c = part; c < D; c += 4) acc += qr[c] * half_bits_to_float(tile[c * TILE_STRIDE + tok]);
             acc += __shfl_xor_sync(0xFFFFFFFFu, acc, 1);
             acc += __shfl_xor_sync(0xFFFFFFFFu, acc, 2);
-            if (part == 0 && tok < n_tok) logits[((long long)bh * R + r) * L + unit * 64 + tok] = acc * scaling;
+            if (part == 0 && tok < n_tok)
+                logits[((long long)bh * R_total + row0 + r) * L + unit * 64 + tok] = acc * scaling;
         }
         __syncthreads();
     }
 }
 
-#define QK_ENTRY(NAME, FULL, BLOCKWISE)                                                                      \
-    extern "C" __global__ void __launch_bounds__(NUM_THREADS) NAME(                                          \
-        const float* q, const unsigned char* k_a, const unsigned char* k_b, const unsigned char* k_c,         \
-        const unsigned short* tail_k, const unsigned short* k_absmax, const unsigned char* k_exp,            \
-        float* logits, int* wk, unsigned short* keys_out, int R, int D, int nblk, int cap_blk, int n_tail,   \
-        int units_per_cta, float scaling, int t12, int t8) {                                                 \
-        qk_impl<FULL, BLOCKWISE>(q, k_a, k_b, k_c, tail_k, k_absmax, k_exp, logits, wk, keys_out, R, D, nblk, \
-                                 cap_blk, n_tail, units_per_cta, scaling, t12, t8);                          \
+#define QK_ENTRY(NAME, FULL, BLOCKWISE)                                                                           \
+    extern "C" __global__ void __launch_bounds__(NUM_THREADS) NAME(                                               \
+        const float* q, const unsigned int* q_max_bits, const unsigned char* k_a, const unsigned char* k_b,       \
+        const unsigned char* k_c, const unsigned short* tail_k, const unsigned short* k_absmax,                   \
+        const unsigned char* k_exp, float* logits, int* wk, unsigned short* keys_out, int R, int R_total,         \
+        int row0, int D, int nblk, int cap_blk, int n_tail, int units_per_cta, float scaling, int t12,            \
+        int t8) {                                                                                                 \
+        qk_impl<FULL, BLOCKWISE>(q, q_max_bits, k_a, k_b, k_c, tail_k, k_absmax, k_exp, logits, wk, keys_out,     \
+                                 R, R_total, row0, D, nblk, cap_blk, n_tail, units_per_cta, scaling, t12, t8);    \
     }
 
 QK_ENTRY(qk_aligned, false, false)

@@ -2,8 +2,8 @@
 //
 // 1. topk_partial / value_exponents: the strided top-k of the scores (argmax of each residue class
 //    j mod k, first index on ties), O_est[c] = sum_r s_r * |v8(j_r, c)| from plane A only, summed in
-//    the order torch's CPU sum uses (runs of 16, see cascade_add), and e(O_est) per channel,
-//    minimised over the query rows sharing the KV head.
+//    the reference's fixed pairwise order (PairwiseSum), and e(O_est) per channel, minimised over
+//    the query rows sharing the KV head.
 // 2. sv_*: one token row per lane segment; plane A is loaded, the row's gap
 //    min_c[e(O_est[c]) - e(v8)] - e(max_rows s_j) decides its width, and only then are planes B
 //    and C loaded where the width needs them. Partial sums per CTA; the caller adds the CTAs up.
@@ -41,46 +41,61 @@ extern "C" __global__ void topk_partial(
     }
 }
 
-// torch's CPU sum over a strided dim (aten SumKernel multi_row_sum): runs of `step` addends summed
-// in order, run sums folded into a 4-level cascade; reproduced so e(O_est) matches bit for bit.
-struct Cascade {
-    float level[4];
-    int count, step, power;
-    __device__ void init(int size) {
-        int ceil_log2 = 0;
-        while ((1 << ceil_log2) < size) ++ceil_log2;
-        power = max(4, ceil_log2 / 4);
-        step = 1 << power;
-        count = 0;
-        level[0] = level[1] = level[2] = level[3] = 0.0f;
+// O_est's fixed summation order (kernels_cupy.reference.pairwise_sum): adjacent pairs, zero-padded
+// to a power of two, streamed with one pending partial per tree level (a binary counter: adding
+// the n-th addend merges the levels whose bits carry). Levels are indexed by unrolled constants so
+// they stay in registers; PAIRWISE_LEVELS levels take up to 2^PAIRWISE_LEVELS - 1 addends.
+#define PAIRWISE_LEVELS 16
+struct PairwiseSum {
+    float level[PAIRWISE_LEVELS];
+    unsigned int count;
+    __device__ void init() {
+        count = 0u;
+#pragma unroll
+        for (int j = 0; j < PAIRWISE_LEVELS; ++j) level[j] = 0.0f;
     }
-    __device__ void add(float x, int size) {
-        level[0] = add_exact_rn(level[0], x);
-        ++count;
-        const int full_runs_end = (size / step) * step;
-        if ((count & (step - 1)) == 0 && count <= full_runs_end) {
-            for (int j = 1; j < 4; ++j) {
-                level[j] = add_exact_rn(level[j], level[j - 1]);
-                level[j - 1] = 0.0f;
-                if ((count & ((step - 1) << (j * power))) != 0) break;
+    __device__ void add(float x) {
+        float carry = x;
+        bool pending = true;  // no break: a loop of constant indices keeps level[] in registers
+#pragma unroll
+        for (int j = 0; j < PAIRWISE_LEVELS; ++j) {
+            if (pending) {
+                if ((count >> j) & 1u) {
+                    carry = add_exact_rn(level[j], carry);  // left subtree + right subtree
+                } else {
+                    level[j] = carry;
+                    pending = false;
+                }
             }
         }
+        ++count;
     }
+    // The pending partials, lowest level first: the zero padding leaves each one the right
+    // operand of the next higher one.
     __device__ float result() const {
-        float out = level[0];
-        for (int j = 1; j < 4; ++j) out = add_exact_rn(out, level[j]);
+        float out = 0.0f;
+        bool any = false;
+#pragma unroll
+        for (int j = 0; j < PAIRWISE_LEVELS; ++j) {
+            if ((count >> j) & 1u) {
+                out = any ? add_exact_rn(level[j], out) : level[j];
+                any = true;
+            }
+        }
         return out;
     }
 };
 
-// Grid (BH), NUM_THREADS threads, dynamic shared memory R*k*(4+4) bytes.
+// Grid (BH), NUM_THREADS threads, dynamic shared memory R*k*(4+4) bytes for the R rows
+// row0 .. row0+R-1 of R_total. Row chunks (row0 > 0) fold their minimum into what the earlier
+// chunks wrote, so a chunk too large for shared memory is several launches on one stream.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) value_exponents(
-    const float* __restrict__ best_val,   // [BH*R, n_splits, k]
-    const int* __restrict__ best_idx,     // [BH*R, n_splits, k]
+    const float* __restrict__ best_val,   // [BH*R_total, n_splits, k]
+    const int* __restrict__ best_idx,     // [BH*R_total, n_splits, k]
     const unsigned char* __restrict__ v_a,      // [BH, cap_tok, D]
     const unsigned short* __restrict__ tail_v,  // [BH, n_tail, D] fp16 bits
     int* __restrict__ e_o,                // [BH, D]: e(O_est) + 15, min over rows, clamped
-    int R, int D, int k, int n_splits, int n_full, int cap_tok, int n_tail)
+    int R, int R_total, int row0, int D, int k, int n_splits, int n_full, int cap_tok, int n_tail)
 {
     extern __shared__ float smem[];
     const int k_eff = min(k, n_full + n_tail);
@@ -92,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) value_exponents(
         unsigned int best = 0u;
         int index = -1;
         for (int split = 0; split < n_splits; ++split) {
-            const long long at = (((long long)bh * R + r) * n_splits + split) * k + res;
+            const long long at = (((long long)bh * R_total + row0 + r) * n_splits + split) * k + res;
             const int j = best_idx[at];
             const unsigned int value = __float_as_uint(best_val[at]);
             if (j >= 0 && (index < 0 || value > best)) {
@@ -107,17 +122,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) value_exponents(
     for (int c = threadIdx.x; c < D; c += blockDim.x) {
         int e_min = 0x7FFFFFFF;
         for (int r = 0; r < R; ++r) {
-            Cascade sum;
-            sum.init(k_eff);
+            PairwiseSum sum;
+            sum.init();
             for (int res = 0; res < k_eff; ++res) {
                 const int j = top_j[r * k + res];
                 const unsigned int a = j < n_full ? v_a[((long long)bh * cap_tok + j) * D + c]
                                                   : (tail_v[((long long)bh * n_tail + (j - n_full)) * D + c] >> 8);
-                sum.add(mul_exact_rn(top_s[r * k + res], high_byte_magnitude(a)), k_eff);
+                sum.add(mul_exact_rn(top_s[r * k + res], high_byte_magnitude(a)));
             }
             e_min = min(e_min, floor_log2f(sum.result()));
         }
-        e_o[(long long)bh * D + c] = max(-EO_CLAMP, min(EO_CLAMP, e_min)) + 15;
+        const int e = max(-EO_CLAMP, min(EO_CLAMP, e_min)) + 15;
+        const long long at = (long long)bh * D + c;
+        e_o[at] = row0 > 0 ? min(e, e_o[at]) : e;
     }
 }
 

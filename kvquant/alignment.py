@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +92,26 @@ def high_byte_values(v_high: torch.Tensor) -> torch.Tensor:
     return bits_to_fp16(truncate_bits(v_high.to(torch.int32) << 8, 8)).float().abs()
 
 
+def pairwise_sum(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """Sum along ``dim`` in one fixed fp32 order: adjacent pairs, zero-padded to a power of two.
+
+    ``((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + 0))`` for 7 addends: every level is one
+    elementwise IEEE add, so ``O_est`` (and so the value widths) is the same bits on any CPU or GPU,
+    whatever torch's own ``sum`` order there (``kernels_cupy/sv.cu``'s ``PairwiseSum`` streams the
+    same tree). The addends here are ``≥ +0``, so the padding is exact.
+    """
+    x = x.float()
+    dim = dim % x.dim()
+    if x.shape[dim] == 0:
+        return x.sum(dim)
+    while x.shape[dim] > 1:
+        if x.shape[dim] % 2:
+            x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, 1])
+        pairs = x.unflatten(dim, (-1, 2))
+        x = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
+    return x.squeeze(dim)
+
+
 def value_widths(
     scores: torch.Tensor, v_high: torch.Tensor, thresholds: tuple[float, float], topk: int = 32
 ) -> torch.Tensor:
@@ -108,7 +129,7 @@ def value_widths(
     top_s = s.gather(-1, idx)
     rows = v_high.gather(2, idx.reshape(b, hkv, -1, 1).expand(-1, -1, -1, d))
     top_v = high_byte_values(rows).view(b, hkv, groups * q_len, -1, d)
-    o_est = (top_s.unsqueeze(-1) * top_v).sum(dim=-2)  # [b, hkv, G·q, d]
+    o_est = pairwise_sum(top_s.unsqueeze(-1) * top_v, dim=-2)  # [b, hkv, G·q, d], a fixed order
     # e(O_est[c]) − e(v8[j, c]) = (e(O_est[c]) + 15) − exponent_field[j, c]
     e_o = floor_log2(o_est).amin(dim=2).clamp(-(2**14), 2**14).to(torch.int16) + 15  # most demanding query
     field = ((v_high >> 2) & 0x1F).to(torch.int16)  # zeros and subnormals: field 0, i.e. 2^-15
@@ -242,8 +263,17 @@ class PlaneStore:
     k_exp: torch.Tensor | None = None
     _empty: bool = field(default=True, repr=False)
 
+    TENSORS = ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c", "tail_k", "tail_v", "k_absmax", "k_exp")
+
     def tensors_k(self) -> list[torch.Tensor | None]:
         return [self.k_a, self.k_b, self.k_c, self.tail_k, self.k_absmax, self.k_exp]
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every tensor (all batch-first) by ``fn(tensor)``: beam reorder, batch select, offload."""
+        for name in self.TENSORS:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, fn(tensor))
 
     def tensors_v(self) -> list[torch.Tensor | None]:
         return [self.v_a, self.v_b, self.v_c, self.tail_v]
@@ -268,6 +298,19 @@ class PlaneStore:
         if full:
             self._store_blocks(self.tail_k[:, :, :full], self.tail_v[:, :, :full])
             self.tail_k, self.tail_v = self.tail_k[:, :, full:].clone(), self.tail_v[:, :, full:].clone()
+
+    def drop_blocks(self, n_blocks: int) -> None:
+        """Forget the oldest ``n_blocks`` whole blocks (a sliding-window layer's tokens no query can
+        see again); copies, so the dropped bytes are freed. ``k_absmax`` stays the running max."""
+        n_blocks = min(n_blocks, self.n_full // BLOCK)
+        if n_blocks <= 0:
+            return
+        for name in ("k_a", "k_b", "k_c", "k_exp"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[:, :, n_blocks:].clone())
+        for name in ("v_a", "v_b", "v_c"):
+            setattr(self, name, getattr(self, name)[:, :, n_blocks * BLOCK :].clone())
+        self.n_tokens -= n_blocks * BLOCK
 
     def _store_blocks(self, k: torch.Tensor, v: torch.Tensor) -> None:
         b, h, n, d = k.shape

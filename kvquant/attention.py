@@ -1,26 +1,36 @@
 """The attention function that lets a cache layer decide what it reads, without forking modeling files.
 
-transformers looks attention up by name (``AttentionInterface``). We register ``kvquant``: when
-the key it receives carries a reader (a cache layer that stores planes and needs the query to
-decide widths), the reader computes attention; any other key goes to transformers' SDPA unchanged,
-so fp16 and every other method run bit-identically under this implementation.
+transformers looks attention up by name (``AttentionInterface``). We register ``kvquant`` (masks as
+SDPA takes them) and ``kvquant_eager`` (additive masks, as eager takes them): when the key it
+receives carries a reader (a cache layer that stores planes and needs the query to decide widths),
+the reader computes attention; any other key goes to the attention the model ran before it was
+routed (``stock_attention``), so fp16 and every other method run bit-identically under it.
+
+Which variant a model gets: ``kvquant_eager`` when it ran eager attention (Gemma-2's default) or
+soft-caps its attention logits (SDPA cannot), else ``kvquant``. Readers hand what they read to
+``stock_attention`` too, so ``scaling`` (Gemma's ``query_pre_attn_scalar``), ``softcap`` and the
+sliding-window mask apply exactly as the model's own attention applies them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
 
 NAME = "kvquant"
+EAGER_NAME = "kvquant_eager"
 READER_ATTR = "_kvquant_reader"
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+_WARNED: set[str] = set()
 
 
 _CAPTURE: list[list[dict]] = []
@@ -28,15 +38,67 @@ _CAPTURE: list[list[dict]] = []
 
 def kvquant_attention(module, query, key, value, attention_mask, **kwargs):
     if _CAPTURE:
-        _CAPTURE[-1].append({"query": query, "key": key, "value": value, "scaling": kwargs.get("scaling")})
+        # clones: a cache may hand attention views of a buffer the next layer reuses
+        _CAPTURE[-1].append(
+            {"query": query.clone(), "key": key.clone(), "value": value.clone(), "scaling": kwargs.get("scaling")}
+        )
     reader = getattr(key, READER_ATTR, None)
     if reader is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return stock_attention(module, query, key, value, attention_mask, **kwargs)
     return reader.attend(module, query, attention_mask, **kwargs)
 
 
 AttentionInterface.register(NAME, kvquant_attention)
+AttentionInterface.register(EAGER_NAME, kvquant_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionMaskInterface.register(EAGER_NAME, eager_mask)
+
+
+def stock_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, Any]:
+    """Attention as the routed model computes it: eager when routed as ``kvquant_eager`` or when
+    ``softcap`` is set (SDPA refuses it), else transformers' SDPA. Masks are cut to the key length."""
+    if attention_mask is not None and attention_mask.shape[-1] > key.shape[-2]:
+        attention_mask = attention_mask[..., : key.shape[-2]]
+    eager = kwargs.get("softcap") is not None
+    config = getattr(module, "config", None)
+    if eager or getattr(config, "_attn_implementation", None) == EAGER_NAME:
+        return eager_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def eager_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, Any]:
+    """The model's own ``eager_attention_forward`` (bit-identical to running it eager), or a generic
+    one — ``scaling``, ``tanh`` soft-capping, additive mask, fp32 softmax — where it has none."""
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = additive_mask(attention_mask, query.dtype)
+    elif attention_mask is None and query.shape[2] > 1:  # SDPA's mask may be skipped for plain causal
+        n, q_len = key.shape[-2], query.shape[2]
+        allowed = torch.ones(q_len, n, dtype=torch.bool, device=query.device).tril(n - q_len)
+        attention_mask = additive_mask(allowed, query.dtype)
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if own is not None:
+        return own(module, query, key, value, attention_mask, **kwargs)
+    return _generic_eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as eager attention adds it: 0 or the dtype's minimum."""
+    return torch.where(allowed, torch.tensor(0.0, dtype=dtype), torch.finfo(dtype).min).to(allowed.device)
+
+
+def _generic_eager(module, query, key, value, attention_mask, scaling=None, softcap=None, dropout=0.0, **kwargs):
+    """Gemma-2's eager order of operations, for a module whose modeling file has no eager function
+    (inference: no dropout)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def tagged_placeholder(reader: object, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -48,23 +110,54 @@ def tagged_placeholder(reader: object, shape: tuple[int, ...], dtype: torch.dtyp
 
 @contextlib.contextmanager
 def capture_attention_inputs(model) -> Iterator[list[dict]]:
-    """Record ``query``/``key``/``value``/``scaling`` of every attention call inside the block."""
-    use_kvquant_attention(model)
+    """Record ``query``/``key``/``value``/``scaling`` of every attention call inside the block; the
+    model's attention is restored after it."""
+    previous = model.config._attn_implementation
+    route_attention(model, NAME)
     calls: list[dict] = []
     _CAPTURE.append(calls)
     try:
         yield calls
     finally:
         _CAPTURE.remove(calls)
+        restore_attention(model, previous)
 
 
-def use_kvquant_attention(model) -> None:
-    """Route ``model``'s attention through ``kvquant_attention`` (a no-op for non-reader caches)."""
-    config = model.config.get_text_config(decoder=True)
-    if config.model_type not in LLAMA_FAMILY:
+def route_attention(model, name: str = NAME) -> None:
+    """Route ``model``'s attention through ``kvquant_attention`` (a no-op for non-reader caches).
+
+    ``name`` ``kvquant`` picks the variant the model needs (module docstring). It stays routed until
+    ``restore_attention`` (``KVMethod.attach`` scopes both). A model whose attention does not go
+    through transformers' ``AttentionInterface`` cannot be routed: one line says so.
+    """
+    current = model.config._attn_implementation
+    if name == NAME and (current in ("eager", EAGER_NAME) or KVGeometry.of(model.config).softcap is not None):
+        name = EAGER_NAME
+    if current == name:
+        return
+    if not getattr(model, "_supports_attention_backend", False):
         raise InvalidParameterError(
-            f"this method reads K/V inside attention and supports Llama-family layouts "
-            f"({', '.join(LLAMA_FAMILY)}); model_type '{config.model_type}' is not supported"
+            f"this method reads K/V inside attention, and {type(model).__name__} does not route its attention "
+            "through transformers' AttentionInterface"
         )
-    if model.config._attn_implementation != NAME:
-        model.set_attn_implementation(NAME)
+    model.set_attn_implementation(name)
+
+
+def restore_attention(model, previous: str | None) -> None:
+    """Put back the attention implementation ``model`` had before ``route_attention``."""
+    if previous is not None and model.config._attn_implementation != previous:
+        model.set_attn_implementation(previous)
+
+
+def kernel_backend(requested: str, resolved: str, unsupported: str | None) -> str:
+    """``resolved`` unless its kernels cannot compute this model's attention (``unsupported`` says
+    why): then ``torch`` for ``backend=auto`` (one warning line), one line of error for an explicit one."""
+    if resolved == "torch" or unsupported is None:
+        return resolved
+    if requested != "auto":
+        raise InvalidParameterError(f"backend={requested} cannot run this model: {unsupported}; use backend=torch")
+    line = f"warning: backend=auto uses torch: the {resolved} kernels cannot run this model ({unsupported})"
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(line, file=sys.stderr, flush=True)
+    return "torch"

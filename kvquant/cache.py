@@ -8,7 +8,7 @@ Bytes are measured from the tensors a layer actually holds, never from a formula
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,66 @@ class CacheCounts:
 FP16_MAX = 65504.0
 
 
+@dataclass(frozen=True)
+class KVGeometry:
+    """What a method needs to know of a model's attention: one lookup, so methods never read configs.
+
+    ``layer_types`` says per layer ``full_attention`` or ``sliding_attention`` (Mistral, Phi-3 with
+    a window, Gemma-2/3, Qwen with ``use_sliding_window``) as transformers' ``DynamicCache`` reads
+    it; ``sliding_window`` is the window those layers attend to (a layer keeps ``sliding_window − 1``
+    tokens between steps, as ``DynamicSlidingWindowLayer`` does). ``softcap`` is the attention-logit
+    soft-capping (Gemma-2), which attention kernels must apply or refuse.
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    model_type: str = ""
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> KVGeometry:
+        """From a transformers config (the text decoder's, for multimodal configs)."""
+        text = config.get_text_config(decoder=True)
+        n_heads = int(text.num_attention_heads)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+        n_layers = int(text.num_hidden_layers)
+        window = getattr(text, "sliding_window", None)
+        types = tuple(getattr(text, "layer_types", None) or ())
+        if not types:
+            types = ("sliding_attention" if window else "full_attention",) * n_layers
+        return cls(
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=int(getattr(text, "num_key_value_heads", None) or n_heads),
+            head_dim=int(head_dim),
+            model_type=str(getattr(text, "model_type", "")),
+            sliding_window=int(window) if window and "sliding_attention" in types else None,
+            layer_types=types,
+            softcap=getattr(text, "attn_logit_softcapping", None),
+        )
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        return layer_idx < len(self.layer_types) and self.layer_types[layer_idx] == "sliding_attention"
+
+    def window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx``, or None for a full-attention layer."""
+        return self.sliding_window if self.is_sliding(layer_idx) else None
+
+    @staticmethod
+    def mask_sizes(window: int | None, seen: int, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the keys a layer hands attention for ``query_length`` new
+        tokens after ``seen``: all of them, or for a sliding layer the newest ``window − 1`` plus the
+        new ones (``DynamicSlidingWindowLayer.get_mask_sizes``); what a layer's ``get_mask_sizes``
+        returns and its ``update`` must hand over."""
+        if window is None or seen < window:
+            return seen + query_length, 0
+        return window - 1 + query_length, seen - window + 1
+
+
 def to_fp16_checked(x: torch.Tensor, layer_idx: int | None, what: str) -> torch.Tensor:
     """Cast K or V to fp16, refusing NaN and values outside fp16's range instead of storing inf."""
     bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)
@@ -145,13 +205,30 @@ def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class CropError(KvquantError):
+    """A cache asked to forget tokens it cannot take back (codes are never rewritten)."""
+
+
 class KVLayer(DynamicLayer):
-    """One layer's store. Subclasses implement ``update`` and name the tensors they hold."""
+    """One layer's store: the small contract every method's layer keeps.
+
+    A subclass implements ``update`` and says what it holds twice over: ``stored_k``/``stored_v``
+    (every tensor, for bytes) and ``map_tensors`` (every tensor with a leading batch axis, replaced
+    by ``fn(tensor)``). From that one map come ``reorder_cache`` (beam search),
+    ``batch_select_indices``, ``batch_repeat_interleave`` (``num_return_sequences``), ``offload``
+    and ``prefetch``, for every method alike. ``crop`` works where a layer overrides it; elsewhere
+    it is one clear line.
+    """
 
     def __init__(self, layer_idx: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self._reads = CacheCounts()
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every batch-first tensor the layer holds by ``fn(tensor)``."""
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
 
     def stored_k(self) -> list[torch.Tensor | None]:
         """Every tensor that holds key information (codes, scales, windows, metadata)."""
@@ -165,6 +242,33 @@ class KVLayer(DynamicLayer):
         if not self.is_initialized or self.keys is None:
             return 0, 0
         return self.keys.numel(), self.values.numel()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self.map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.map_tensors(lambda t: t[indices, ...])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self.map_tensors(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self.map_tensors(lambda t: t.to(self.device, non_blocking=True))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove and self.is_initialized:
+            raise CropError(
+                f"{type(self).__name__}: this cache cannot be cropped (compressed tokens are never rewritten); "
+                "use a fresh cache instead of assisted decoding or prefix reuse"
+            )
 
     def count_read(
         self,
@@ -189,6 +293,9 @@ class KVLayer(DynamicLayer):
 
 class KVCache(Cache):
     """A transformers ``Cache`` of ``KVLayer`` objects that can report what it stores and reads."""
+
+    backend: str | None = None  # the kernels its layers read with, where the method has a choice
+    adaptations: dict[str, Any] = {}  # parameters changed to fit the model (``KVMethod.adaptations``)
 
     def __init__(self, layers: list[KVLayer]):
         super().__init__(layers=layers)

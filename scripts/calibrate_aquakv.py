@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from kvquant import get_method, load_model
-from kvquant.methods.aquakv import model_identity
+from kvquant.methods.aquakv import METHOD_FOR_PREDICT, model_identity
 
-METHODS = {"kv": "aquakv", "k": "aquakv_k_only", "v": "aquakv_v_only"}
+METHODS = METHOD_FOR_PREDICT
 
 
 def main(argv: list[str] | None = None) -> None:

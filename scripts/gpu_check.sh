@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU check of kernels_cupy, in one call of at most 8 minutes on a lent GPU machine:
-# the gpu-marked kernel tests, then the decode-attention benchmark, then one results file.
+# a usable-GPU check, the gpu-marked kernel tests, the decode-attention benchmark, one results file.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        # default: $OUT if set, else outputs/gpu_check (git-ignored)
 #
-# Needs python3 with torch, numpy, cupy and pytest (transformers only for the real-K/V test,
-# which skips without it); no Hydra, W&B or lm-eval. Writes OUT_DIR/results.md (device, date,
-# test summary, benchmark table), tests.log, bench.log and bench.md. Exit status: the tests'.
+# Needs python3 ($PYTHON) with torch, numpy, cupy, pytest and transformers (the real-K/V test loads
+# the bundled stories260K; without transformers it skips, and a skip fails the check); no Hydra,
+# W&B or lm-eval. Writes OUT_DIR/results.md (device, date, test verdict, benchmark table),
+# device.txt, tests.log, tests.xml, bench.log and bench.md.
+#
+# Fails closed. Exit 0 only when every gpu-marked test ran and passed (none skipped, at least one
+# collected) and the benchmark exited 0; 2 when CuPy or the GPU is unusable (one `error:` line,
+# nothing else run); 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-outputs/gpu_check}}"
@@ -14,32 +19,90 @@ PY="${PYTHON:-python3}"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
 
+# 1. Up front (<= 40 s): cupy and torch see a GPU and can run on it; else one line, exit 2.
+probe=$(timeout 40 "$PY" - 2>&1 <<'EOF'
+import sys
+
+from kernels_cupy import cupy_status
+
+ok, why = cupy_status()
+if not ok:
+    sys.exit(why)
+import cupy
+import numpy
+import pytest
+import torch
+
+if int(cupy.arange(4).sum()) != 6 or torch.ones(4, device="cuda").sum().item() != 4:
+    sys.exit("a 4-element sum on the GPU came out wrong")
+print(f"gpu: {torch.cuda.get_device_name()}")
+print(f"torch {torch.__version__}, numpy {numpy.__version__}, cupy {cupy.__version__}, pytest {pytest.__version__}")
+EOF
+)
+probe_status=$?
+if [ "$probe_status" -ne 0 ]; then
+  reason=$(printf '%s\n' "$probe" | tail -n 1)
+  [ "$probe_status" -eq 124 ] && reason="the probe did not finish in 40 s"
+  echo "error: the kernels cannot run here: ${reason:-exit $probe_status}" >&2
+  exit 2
+fi
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
-  "$PY" -c 'import torch, numpy, cupy; print(f"torch {torch.__version__}, numpy {numpy.__version__}, cupy {cupy.__version__}")'
-} > "$OUT_DIR/device.txt" 2>&1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/nvidia-smi: /'
+  printf '%s\n' "$probe"
+} > "$OUT_DIR/device.txt"
 cat "$OUT_DIR/device.txt"
 
-# Tests: every gpu-marked test of the kernels (first use compiles the modules; CuPy caches them).
-timeout 270 "$PY" -m pytest tests/test_kernels_cupy.py -m gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT_DIR/tests.log"
+# 2. Tests (<= 270 s): every gpu-marked test of the kernels (first use compiles the modules). The
+# verdict is read from the JUnit report, so a skip counts against the check whatever pytest exits.
+rm -f "$OUT_DIR/tests.xml"
+timeout 270 "$PY" -m pytest tests/test_kernels_cupy.py -m gpu -q -rs -p no:cacheprovider \
+  --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log"
 test_status=${PIPESTATUS[0]}
+if [ -s "$OUT_DIR/tests.xml" ]; then
+  verdict=$("$PY" - "$OUT_DIR/tests.xml" 2>&1 <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
 
-# Benchmark: whatever the budget leaves is listed as skipped, so the call ends in time.
-timeout 170 "$PY" scripts/bench_kernels.py --max-seconds 120 --out "$OUT_DIR/bench.md" 2>&1 | tee "$OUT_DIR/bench.log"
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+n = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+print(f"{n['tests']} gpu tests: {passed} passed, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped")
+sys.exit(0 if n["tests"] > 0 and passed == n["tests"] else 1)
+EOF
+  )
+  verdict_status=$?
+else
+  verdict="no test report: pytest did not finish (exit $test_status; 124 is the 270 s timeout)"
+  verdict_status=1
+fi
+
+# 3. Benchmark (<= 140 s): whatever its budget leaves is listed as skipped, so the call ends in time.
+timeout 140 "$PY" scripts/bench_kernels.py --max-seconds 90 --out "$OUT_DIR/bench.md" 2>&1 | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
 
+status=0
+[ "$test_status" -eq 0 ] && [ "$verdict_status" -eq 0 ] || status=1
+[ "$bench_status" -eq 0 ] || status=1
 {
-  echo "# kernels_cupy GPU check"
+  echo "# kernels_cupy GPU check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
   echo
   sed 's/^/    /' "$OUT_DIR/device.txt"
   echo
-  echo "tests (exit $test_status): $(grep -E '(passed|failed|error|skipped)' "$OUT_DIR/tests.log" | tail -n 1)"
+  echo "tests (pytest exit $test_status): $verdict"
+  if grep -q '^SKIPPED' "$OUT_DIR/tests.log"; then
+    echo
+    grep '^SKIPPED' "$OUT_DIR/tests.log" | sed 's/^/    /'
+  fi
   echo
   echo "benchmark (exit $bench_status):"
   echo
   if [ -s "$OUT_DIR/bench.md" ]; then cat "$OUT_DIR/bench.md"; else tail -n 20 "$OUT_DIR/bench.log"; fi
 } > "$OUT_DIR/results.md"
 cat "$OUT_DIR/results.md"
-exit "$test_status"
+if [ "$status" -ne 0 ]; then
+  echo "error: GPU check failed: tests exit $test_status ($verdict); benchmark exit $bench_status" >&2
+fi
+exit "$status"

@@ -130,6 +130,25 @@ def stories():
 
 
 @pytest.fixture(scope="session")
+def predictor_root(tmp_path_factory):
+    """A folder for AQUA-KV predictors; ``calibrated_for(model, tok)`` fills it once per model, with the
+    small seeded calibration the golden outputs were recorded with (name it by KVQUANT_PREDICTOR_DIR)."""
+    from golden import predictor_dir
+
+    root = tmp_path_factory.mktemp("predictors")
+    done: set[str] = set()
+
+    def calibrated_for(model, tok) -> Path:
+        key = model.config.name_or_path
+        if key not in done:
+            predictor_dir(model, tok, root)
+            done.add(key)
+        return root
+
+    return calibrated_for
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     from kvquant import load_model
 

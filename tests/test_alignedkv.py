@@ -6,6 +6,7 @@ import torch
 from kvquant import get_method
 from kvquant.data import tinystories_pieces, wikitext2_test
 from kvquant.errors import InvalidParameterError, KvquantError
+from kvquant.eval.fidelity import first_flip_is_near_tie, greedy_decode, kl_divergence, unexplained_flips
 from kvquant.eval.perplexity import chunked_nll
 from kvquant.methods.alignedkv import width_histograms
 
@@ -44,18 +45,29 @@ def test_infinite_thresholds_are_bit_identical_to_fp16(stories):
     assert torch.equal(a, b)
 
 
+def forced_run(model, prompt, name, new, reference=None, **kw):
+    """``name`` teacher-forced along fp16's greedy tokens (``reference``, decoded here if not given)."""
+    reference = reference or greedy_decode(model, prompt, get_method("fp16").new_cache(model), new)
+    cache = get_method(name, **kw).new_cache(model)
+    forced = greedy_decode(model, prompt, cache, new, forced=reference.tokens)
+    return reference, forced, cache
+
+
+@pytest.mark.numerics
 def test_reads_fewer_bits_and_keeps_greedy_output(stories):
     model, tok = stories
-    ids = story_ids(tok)
-    ref, _ = run(model, ids, "fp16", new=60)
-    out, cache = run(model, ids, "alignedkv", new=60)
+    prompt = story_ids(tok)[0]
+    ref, forced, cache = forced_run(model, prompt, "alignedkv", 60)
     s = cache.stats()
     assert s["bits_read"] < 15.0 and s["bits_read_v"] < s["bits_read_k"] <= 16.0
     assert set(s["widths_v"]) <= {8, 12, 16} and s["widths_v"].get(8, 0) > 0.2
-    assert (out == ref).float().mean() >= 0.99
+    # fp16's next token everywhere along its own path, but where fp16 itself is at a near-tie, and
+    # its distribution too: KL ~5e-7 here; keys all read at 8 bits give 2e-3, values at 8 bits 5e-5
+    assert unexplained_flips(ref.tokens, ref.logprobs, forced.logprobs) == []
+    assert kl_divergence(ref.logprobs, forced.logprobs).mean() < 5e-6
     assert s["bits_stored"] > 16.0  # fp16 planes + the per-channel max: nothing is saved in storage
     series = cache.counts().position_series()
-    assert series["position"][-1] == ids.shape[1] + 59 and len(series["position"]) == 59
+    assert series["position"][-1] == prompt.numel() + 59 and len(series["position"]) == 59
 
 
 def test_per_head_histograms_add_up_to_the_totals(stories):
@@ -90,6 +102,7 @@ def test_prefill_aligned_reaches_chunked_log_likelihood(stories):
     assert aligned_cache.stats()["bits_read"] < 16.0
 
 
+@pytest.mark.numerics
 def test_batch_with_left_padding_matches_fp16(stories):
     model, tok = stories
     texts = [" ".join(tinystories_pieces()[i : i + 2]) for i in (1, 7)]
@@ -98,14 +111,19 @@ def test_batch_with_left_padding_matches_fp16(stories):
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     kw = {"attention_mask": mask, "max_new_tokens": 30, "do_sample": False, "pad_token_id": 0}
-    ref = model.generate(ids, past_key_values=get_method("fp16").new_cache(model), **kw)
+    ref = model.generate(
+        ids, past_key_values=get_method("fp16").new_cache(model), output_logits=True, return_dict_in_generate=True, **kw
+    )
     exact = model.generate(
         ids, past_key_values=get_method("alignedkv", k_thresholds=INF, v_thresholds=INF).new_cache(model), **kw
     )
-    assert torch.equal(exact, ref)
+    assert torch.equal(exact, ref.sequences)  # the same reads in the same order: equal bit for bit
     cache = get_method("alignedkv").new_cache(model)
     out = model.generate(ids, past_key_values=cache, **kw)
-    assert (out == ref).float().mean() > 0.95 and cache.stats()["bits_read"] < 16
+    ref_logprobs = torch.log_softmax(torch.stack(ref.logits, 1).float(), -1)
+    for row in range(len(rows)):
+        assert first_flip_is_near_tie(ref.sequences[row, width:], ref_logprobs[row], out[row, width:]), row
+    assert cache.stats()["bits_read"] < 16
 
 
 def test_captured_products_compare_full_and_read(stories):
@@ -137,31 +155,105 @@ def test_bad_input_is_refused_clearly(stories):
         layer.update(torch.ones(1, 4, 3, 8), v)
 
 
-def test_non_llama_layout_is_refused():
+def _tiny_llama(cls=None, **config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    cfg = LlamaConfig(**sizes, num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, **config)
+    return (cls or LlamaForCausalLM)(cfg).eval()
+
+
+def test_layouts_it_cannot_read_are_refused_in_one_line():
+    """Not the model family: what the reader needs (the attention interface, a head dim of 8k)."""
+    from transformers import LlamaForCausalLM
+
+    class Bypassing(LlamaForCausalLM):
+        _supports_attention_backend = False
+
+    with pytest.raises(InvalidParameterError, match="does not route its attention through transformers'"):
+        get_method("alignedkv").new_cache(_tiny_llama(Bypassing))
+    with pytest.raises(InvalidParameterError, match="head_dim 12 of model_type 'llama' must be a multiple of 8"):
+        get_method("alignedkv").new_cache(_tiny_llama(head_dim=12))
+
+
+def test_gpt2_layout_reads_like_fp16_at_infinite_thresholds():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=32))
-    with pytest.raises(InvalidParameterError, match="model_type 'gpt2' is not supported"):
-        get_method("alignedkv").new_cache(model)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=128)).eval()
+    ids = torch.randint(0, 32, (1, 70))
+    logits = []
+    for method in (get_method("fp16"), get_method("alignedkv", k_thresholds=INF, v_thresholds=INF)):
+        with method.attach(model), torch.no_grad():
+            cache = method.new_cache(model)
+            model(ids, past_key_values=cache)
+            logits.append(model(ids[:, -1:], past_key_values=cache).logits)
+    assert torch.equal(*logits)
+
+
+def test_width_rule_scores_soft_cap_scale_and_cut_the_mask():
+    """Gemma-2's order: scale, ``tanh(x/c)·c``, then the mask (here longer than the keys, additive)."""
+    from kvquant.methods.alignedkv import _scores
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 2, 8, generator=gen) * 30, torch.randn(1, 2, 5, 8, generator=gen) * 30
+    allowed = torch.rand(1, 1, 2, 7, generator=gen) > 0.3
+    allowed[..., 0] = True
+    additive = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    logits = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.2
+    want = torch.softmax(torch.tanh(logits / 50.0) * 50.0 + additive[..., :5], dim=-1)
+    torch.testing.assert_close(_scores(q, k, additive, 0.2, softcap=50.0), want)
+    torch.testing.assert_close(_scores(q, k, allowed, 0.2, softcap=50.0), want)
+    assert not torch.allclose(_scores(q, k, allowed, 0.2), want)  # the cap matters at these magnitudes
+
+
+def test_sliding_layer_hands_attention_its_window_and_drops_whole_blocks():
+    """A sliding layer: attention sees the newest ``window − 1`` plus the new tokens, as
+    ``DynamicSlidingWindowLayer``; blocks wholly out of the window are dropped before an append."""
+    from kvquant.alignment import BLOCK
+    from kvquant.methods.alignedkv import AlignedLayer
+
+    window, gen = 40, torch.Generator().manual_seed(0)
+    method = get_method("alignedkv", k_thresholds=INF, v_thresholds=INF)  # every read at 16 bits
+    layer = AlignedLayer(0, method, n_kv_heads=2, window=window)
+    assert layer.is_sliding and layer.get_mask_sizes(5) == (5, 0)
+    history = []
+    for n in (100, 1, 60, 1, 1):
+        k, v = torch.randn(1, 2, n, 8, generator=gen), torch.randn(1, 2, n, 8, generator=gen)
+        seen = layer.get_seq_length()
+        length, offset = layer.get_mask_sizes(n)
+        history.append((k, v))
+        out_k, _ = layer.update(k, v)
+        assert out_k.shape[2] == length and layer.get_seq_length() == seen + n
+        assert offset == max(0, seen - window + 1) and layer.dropped <= offset
+        assert layer.dropped % BLOCK == 0 and layer.dropped > offset - BLOCK
+        all_k, all_v = (torch.cat([h[i] for h in history], dim=2).half()[:, :, offset:] for i in (0, 1))
+        if n > 1:  # prefill chunks come back read at 16 bits: exactly the window's fp16 keys
+            assert torch.equal(out_k.half(), all_k)
+        else:
+            q = torch.randn(1, 4, 1, 8, generator=gen)
+            keys, values, _, _ = layer.aligned_read(q, None, 8**-0.5)
+            assert torch.equal(keys.half(), all_k) and torch.equal(values.half(), all_v)
+    assert layer.store.n_tokens == layer.get_seq_length() - layer.dropped and layer.dropped == BLOCK
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_smollm2_gqa_long_prompt(smollm2):
     model, tok = smollm2
-    ids = tok(wikitext2_test()[:20000], return_tensors="pt").input_ids[:, :320]
-    ref, _ = run(model, ids, "fp16", new=8)
-    out, cache = run(model, ids, "alignedkv", new=8)
+    prompt = tok(wikitext2_test()[:20000], return_tensors="pt").input_ids[0, :320]
+    ref, forced, cache = forced_run(model, prompt, "alignedkv", 8)
     s = cache.stats()
-    assert (out == ref).float().mean() >= 0.99
+    assert unexplained_flips(ref.tokens, ref.logprobs, forced.logprobs) == []
     assert s["bits_read_k"] < 16 and s["bits_read_v"] < 14
 
 
+@pytest.mark.numerics
 def test_plus_reads_no_more_key_bits_and_counts_its_metadata(stories):
     model, tok = stories
-    ids = story_ids(tok, 300)
-    ref, _ = run(model, ids, "fp16", new=30)
-    out_col, col = run(model, ids, "alignedkv", new=30)
-    out_blk, blk = run(model, ids, "alignedkv_plus", new=30)
+    prompt = story_ids(tok, 300)[0]
+    ref, _, col = forced_run(model, prompt, "alignedkv", 30)  # both along fp16's tokens: the same K/V
+    _, forced_blk, blk = forced_run(model, prompt, "alignedkv_plus", 30, reference=ref)
     assert blk.layers[0].store.k_exp.shape == (1, 4, blk.get_seq_length() // 64, 8)
     assert blk.stats()["bits_stored_k"] > col.stats()["bits_stored_k"]  # + one exponent byte per block channel
     col_hist, blk_hist = col.counts().read_k, blk.counts().read_k
@@ -169,7 +261,7 @@ def test_plus_reads_no_more_key_bits_and_counts_its_metadata(stories):
     assert n_col == n_blk
     elem_bits = lambda h: sum(w * n for w, n in h.items())  # noqa: E731
     assert elem_bits(blk_hist) <= elem_bits(col_hist) * 1.001
-    assert (out_blk == ref).float().mean() >= 0.99
+    assert unexplained_flips(ref.tokens, ref.logprobs, forced_blk.logprobs) == []
 
 
 def test_margin_only_raises_widths(stories):

@@ -1,27 +1,23 @@
 """AQUA-KV and HIGGS caches on stories260k: calibration, predictor files, storage, RoPE, consistency."""
 
 import json
+import pickle
 import warnings
 
 import pytest
 import torch
 from conftest import ROOT
+from test_kivi import beam_search_runs, check_selection_equals_rebuild
 
+from experiments.calibrate import calibrate_command, error_line
 from kvquant import get_method
+from kvquant.cache import KVGeometry
 from kvquant.data import tinystories_pieces
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.eval.perplexity import chunked_nll
-from kvquant.methods.aquakv import (
-    SINK,
-    WINDOW,
-    PredictorFileError,
-    Predictors,
-    encode_pair,
-    model_identity,
-    rope_tables,
-    to_rows,
-    undo_rope,
-)
+from kvquant.methods.aquakv import SINK, WINDOW, PredictorFileError, Predictors, model_identity
+from kvquant.methods.aquakv.predictors import encode_pair, load_cached, to_rows
+from kvquant.quant.rope import rope_tables, undo_rope
 
 NAMES = ["higgs", "aquakv", "aquakv_k_only", "aquakv_v_only"]
 CALIB = {"n_seqs": 4, "seq_len": 256, "seed": 0, "progress": False, "log": None}
@@ -89,13 +85,24 @@ def test_methods_default_to_two_bits_and_take_2_3_4():
     assert {p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")} >= set(NAMES)
 
 
-def test_missing_predictor_file_names_the_calibrate_command(stories, tmp_path, monkeypatch):
+def test_missing_predictor_file_says_which_calibration_makes_it(stories, tmp_path, monkeypatch):
+    """The library names the file and the calibration in fields; experiments format the command line."""
     monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(tmp_path))
     with pytest.raises(PredictorFileError) as err:
         get_method("aquakv_v_only", bits=3).new_cache(stories[0])
-    msg = str(err.value)
-    assert "\n" not in msg and str(tmp_path) in msg
-    assert "python run.py experiment=calibrate method=aquakv_v_only model=stories260k method.bits=3" in msg
+    e = err.value
+    msg = str(e)
+    assert "\n" not in msg and str(tmp_path) in msg and "run.py" not in msg and msg.endswith("calibrate first")
+    assert e.path.parent.parent == tmp_path and e.model_id.startswith("stories260k")
+    assert (e.method, e.bits, e.predict, e.first_layer_bits, e.group) == ("aquakv_v_only", 3, "v", 4, 1024)
+    command = "python run.py experiment=calibrate method=aquakv_v_only model=stories260k method.bits=3"
+    assert calibrate_command(e) == command and error_line(e) == f"{msg}: {command}"
+    again = pickle.loads(pickle.dumps(e))  # sweeps may carry it across processes
+    assert str(again) == msg and again.target() == e.target() and again.path == e.path
+    with pytest.raises(PredictorFileError) as err:
+        get_method("aquakv", first_layer_bits=None, group=64).new_cache(stories[0])
+    assert calibrate_command(err.value).endswith("method.bits=2 method.first_layer_bits=null method.group=64")
+    assert error_line(KvquantError("plain\nerror")) == "plain error"
 
 
 def test_calibration_is_deterministic_and_predictors_beat_higgs_alone(stories, calibrated):
@@ -272,3 +279,53 @@ def test_calibrate_experiment_writes_the_file_the_method_loads(stories, tmp_path
     json.dumps(result)
     cache = get_method("aquakv", bits=3).new_cache(stories[0])
     assert cache.predictors is not None and cache.predictors.header["quantizer"]["bits"] == 3
+
+
+def test_analytic_bits_come_from_the_geometry_alone(stories):
+    geometry = KVGeometry.of(stories[0].config)  # 5 layers, 4 KV heads of 8: one group of 32 channels
+    assert get_method("higgs").analytic_bits(geometry) == 2.5 and get_method("higgs").analytic_bits() is None
+    assert get_method("aquakv").analytic_bits(geometry) == (4.5 + 4 * 2.5) / 5  # layer 0 at 4 bits, no file read
+    assert get_method("higgs").adaptations(geometry) == {"group": [1024, 32]}
+
+
+def test_predictor_files_are_read_once_per_version(calibrated, tmp_path):
+    pred, path = calibrated
+    assert load_cached(path) is load_cached(path)
+    copy = pred.save(tmp_path / "copy.safetensors")
+    first = load_cached(copy)
+    pred.save(copy)  # a new version of the file
+    assert load_cached(copy) is not first
+
+
+@pytest.fixture(scope="module")
+def every_variant(stories, calibrated, pred_dir):
+    """Small predictors for the ablations too, beside the 2-bit aquakv ones."""
+    model, tok = stories
+    for name in ("aquakv_k_only", "aquakv_v_only"):
+        method = get_method(name)
+        path = method.default_path(model_identity(model.config), method.quantizers(model.config))
+        method.calibrate(model, tok, **{**CALIB, "n_seqs": 2}).save(pred_dir / path.relative_to(path.parents[1]))
+    return pred_dir
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", NAMES)
+def test_beam_search_with_default_parameters(stories, every_variant, monkeypatch, name):
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(every_variant))
+    beam_search_runs(*stories, get_method(name))
+
+
+@pytest.mark.parametrize("name", ["higgs", "aquakv"])
+def test_batch_selection_equals_the_cache_of_the_selected_rows(stories, calibrated, env_dir, name):
+    """Sinks, codes, scales and the positions and hand-off the layers share move with their rows."""
+    check_selection_equals_rebuild(stories[0], get_method(name, window=32))
+
+
+def test_crop_is_one_line(stories):
+    from kvquant.cache import CropError
+
+    cache = get_method("higgs").new_cache(stories[0])
+    cache.update(torch.randn(1, 4, 10, 8), torch.randn(1, 4, 10, 8), 0)
+    with pytest.raises(CropError) as e:
+        cache.crop(-5)
+    assert "\n" not in str(e.value)

@@ -1,8 +1,11 @@
 import math
 
+import pytest
 import torch
+from transformers import DynamicCache
 
-from kvquant.cache import CacheCounts, KVCache, nbytes
+from kvquant import get_method, method_names
+from kvquant.cache import CacheCounts, CropError, KVCache, nbytes
 from kvquant.methods.fp16 import Fp16Layer
 
 
@@ -54,3 +57,82 @@ def test_metadata_bits_count_towards_bits_read():
     assert s["bits_read_k"] == 9.0 and s["bits_read_v"] == 16.0 and s["bits_read"] == 12.5
     assert c.position_series()["bits_read_k"] == [9.0]
     assert (c + c).meta_bits_k == 128.0
+
+
+# --- the layer contract, for every registered method -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def story_prompt(stories):
+    return stories[1]("Once upon a time, there was a little girl", return_tensors="pt").input_ids
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_beam_search_and_several_sequences_work_for_every_method(
+    stories, story_prompt, predictor_root, monkeypatch, name
+):
+    model, tok = stories
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(predictor_root(model, tok)))
+    kw = {"max_new_tokens": 70, "num_beams": 3, "num_return_sequences": 2, "do_sample": False}  # past a 64-block
+    cache = get_method(name).new_cache(model)
+    out = model.generate(story_prompt, past_key_values=cache, **kw)
+    assert out.shape == (2, story_prompt.shape[1] + 70)
+    assert cache.get_seq_length() == out.shape[1] - 1 and cache.stats()["bits_stored"] > 0
+
+
+@pytest.mark.numerics
+def test_fp16_beams_equal_dynamic_cache(stories, story_prompt):
+    model, _ = stories
+    kw = {"max_new_tokens": 20, "num_beams": 3, "num_return_sequences": 2, "do_sample": False}
+    ours = model.generate(story_prompt, past_key_values=get_method("fp16").new_cache(model), **kw)
+    theirs = model.generate(story_prompt, past_key_values=DynamicCache(), **kw)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["fp16", "truncation", "alignedkv", "alignedkv_plus", "kivi2", "gear2"])
+def test_select_and_reorder_equal_a_cache_built_from_those_rows(stories, name):
+    """K/V fed to the layers directly: a model's CPU forward may round a row differently in another
+    batch shape, and this is about the cache, not the model."""
+    model, _ = stories
+    gen = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(2, 3, 4, t, 8, generator=gen) for t in (70, 1, 1, 60)]  # prefill, decode, a block more
+    full, single, beams = (get_method(name).new_cache(model) for _ in range(3))
+    for kv in chunks:
+        for i in range(len(full.layers)):
+            full.update(kv[0], kv[1], i)
+            single.update(kv[0][2:3], kv[1][2:3], i)
+            beams.update(kv[0][[2, 0, 1]], kv[1][[2, 0, 1]], i)
+    full.batch_select_indices(torch.tensor([2]))
+    beams.reorder_cache(torch.tensor([0, 0, 1]))
+    for cache in (full, beams):
+        for a, b in zip(cache.layers, single.layers, strict=True):
+            mine = [t[:1] for t in a.stored_k() + a.stored_v() if t is not None]
+            theirs = [t for t in b.stored_k() + b.stored_v() if t is not None]
+            assert len(mine) == len(theirs) and all(torch.equal(x, y) for x, y in zip(mine, theirs, strict=True))
+
+
+def test_crop_works_for_fp16_and_is_one_line_elsewhere(stories, story_prompt):
+    model, _ = stories
+    cache = get_method("fp16").new_cache(model)
+    with torch.no_grad():
+        model(story_prompt, past_key_values=cache)
+    cache.crop(story_prompt.shape[1] - 3)
+    assert cache.get_seq_length() == story_prompt.shape[1] - 3
+    cache = get_method("kivi2", group_size=8, residual=16).new_cache(model)
+    with torch.no_grad():
+        model(story_prompt, past_key_values=cache)
+    with pytest.raises(CropError, match="cannot be cropped") as err:
+        cache.crop(2)
+    assert "\n" not in str(err.value)
+
+
+def test_offload_and_prefetch_keep_every_tensor(stories, story_prompt):
+    model, _ = stories
+    cache = get_method("alignedkv").new_cache(model)
+    with torch.no_grad():
+        model(story_prompt, past_key_values=cache)
+    before = [t.clone() for t in cache.layers[0].stored_k() if t is not None]
+    cache.layers[0].offload()
+    cache.layers[0].prefetch()
+    after = [t for t in cache.layers[0].stored_k() if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

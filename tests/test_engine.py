@@ -4,6 +4,9 @@ import torch
 from kvquant import get_method
 from kvquant.data import tinystories_pieces
 from kvquant.eval.engine import Engine, cut_at_stop
+from kvquant.eval.fidelity import NEAR_TIE, top2_margin
+
+pytestmark = pytest.mark.numerics
 
 
 def ids_of(tok, i=0, n=60):
@@ -20,7 +23,9 @@ def test_chunked_shared_prefix_loglikelihood_equals_one_plain_forward(stories):
             lp = torch.log_softmax(model(torch.tensor([ctx + cont])).logits[0, :-1], -1)
         want = lp[len(ctx) - 1 :].gather(1, torch.tensor(cont).view(-1, 1)).sum().item()
         assert ll == pytest.approx(want, rel=1e-3)  # fp16 K/V storage vs the fp32 forward
-        assert greedy == bool((lp[len(ctx) - 1 :].argmax(-1) == torch.tensor(cont)).all())
+        steps = lp[len(ctx) - 1 :]
+        if bool((top2_margin(steps) >= NEAR_TIE).all()):  # else fp16 storage may legitimately flip an argmax
+            assert greedy == bool((steps.argmax(-1) == torch.tensor(cont)).all())
     assert set(engine.recording.units) == {"t/0#0", "t/0#1"} and engine.n_caches == 2  # the context cache + one copy
     assert engine.counts.summary()["bits_read"] == 16.0
 

@@ -10,6 +10,8 @@ from kvquant.eval.fidelity import compare_to_reference, decode_timing, greedy_de
 from kvquant.eval.tinystories import encode
 from kvquant.methods.fp16 import Fp16Layer
 
+pytestmark = pytest.mark.numerics
+
 
 class NoisyValuesLayer(Fp16Layer):
     """A deliberately lossy store (values perturbed) so the metrics have something to detect."""

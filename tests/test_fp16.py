@@ -1,8 +1,10 @@
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvquant import get_method
+from kvquant.cache import CropError
 from kvquant.methods.fp16 import Fp16Layer
 
 
@@ -50,6 +52,40 @@ def test_fp16_layer_stores_half_and_returns_rounded_history(chunks, heads, dim, 
     assert counts.read_k == {16: read} and counts.read_v == {16: read}
 
 
-def test_fp16_reports_analytic_bits_and_no_params():
+def test_fp16_reports_analytic_bits_and_its_backend():
     method = get_method("fp16")
-    assert method.analytic_bits() == 16.0 and method.describe() == {"name": "fp16"}
+    assert method.analytic_bits() == 16.0 and method.describe() == {"name": "fp16", "backend": "torch"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    chunks=st.lists(st.integers(1, 12), min_size=1, max_size=6),
+    window=st.integers(2, 20),  # 1: transformers keeps everything (its slice is [-0:])
+    seed=st.integers(0, 2**16),
+)
+def test_sliding_layer_behaves_as_transformers_sliding_layer(chunks, window, seed):
+    """Same K/V handed to attention, same mask sizes and length as ``DynamicSlidingWindowLayer``
+    (fed the same fp16-rounded states); between steps only the newest ``window − 1`` tokens are held."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    gen = torch.Generator().manual_seed(seed)
+    ours, theirs = Fp16Layer(window=window), DynamicSlidingWindowLayer(sliding_window=window)
+    assert ours.is_sliding and ours.get_max_length() == window
+    for n in chunks:
+        assert ours.get_mask_sizes(n) == theirs.get_mask_sizes(n)
+        k, v = torch.randn(1, 2, n, 4, generator=gen), torch.randn(1, 2, n, 4, generator=gen)
+        got, want = ours.update(k, v), theirs.update(k.half().float(), v.half().float())
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        assert ours.keys.shape[-2] == min(ours.get_seq_length(), window - 1) and ours.keys.is_contiguous()
+        assert ours.counts().bytes_k == ours.keys.untyped_storage().nbytes()  # no view of a longer tensor
+
+
+def test_sliding_layer_crops_until_its_window_fills():
+    layer = Fp16Layer(window=8)
+    layer.update(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4))
+    layer.crop(-2)
+    assert layer.get_seq_length() == 3 and layer.keys.shape[-2] == 3
+    layer.update(torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4))
+    with pytest.raises(CropError, match="layer None: a sliding-window layer keeps only its window"):
+        layer.crop(-1)

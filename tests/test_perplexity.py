@@ -6,6 +6,8 @@ from kvquant.data import tinystories_pieces
 from kvquant.eval.perplexity import chunked_nll, perplexity
 from kvquant.eval.tinystories import encode
 
+pytestmark = pytest.mark.numerics
+
 
 def test_stories260k_perplexity_on_first_200_stories(stories):
     model, tok = stories

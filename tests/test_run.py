@@ -56,6 +56,27 @@ def test_bad_parameter_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: method 'fp16': got an unexpected keyword")
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["method=kivi2", "method.grup_size=8"],
+            "error: method 'kivi2' has no parameter 'grup_size'; its parameters are: bits, group_size, residual "
+            "(conf/method/kivi2.yaml)",
+        ),
+        (["method=alignedkv", "method.margin=abc"], "error: method 'alignedkv': parameter 'margin' expects float"),
+        (["+method.grup_size=8", "method=kivi2"], "error: method 'kivi2': got an unexpected keyword argument"),
+        (["task.limitt=3"], "error: task 'tinystories' has no parameter 'limitt'; its parameters are: limit,"),
+        (["task=passkey", "task.lengths=[1024,x]"], "error: task 'passkey': parameter 'lengths' expects a list of int"),
+    ],
+)
+def test_parameter_errors_are_one_line_whatever_the_route(tmp_path, args, line):
+    proc = run_cli(tmp_path, "model=stories260k", "logger=none", *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_failed_sweep_job_is_reported_and_the_sweep_resumes(tmp_path):
     # The middle job asks for more context than stories260k has; the jobs around it still run.

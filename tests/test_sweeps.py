@@ -12,6 +12,12 @@ from kvquant.tracking import read_offline_run
 FAST = ["model=stories260k", "progress=false", "task.ppl_pieces=5", "task.max_new_tokens=4", "task.limit=2"]
 
 
+# The jobs of the two launchers run on different thread counts (2 vs 1 here), so fp32 sums are
+# reassociated: a perplexity moves by ~1e-6 relative, and KL (a mean of log-probability differences
+# near 1e-5) by ~1e-8 absolute. The bounds are 100x those; counts, bits and bytes must be equal.
+LAUNCHER_TOLERANCE = {"ppl": {"rel": 1e-4}, "nll": {"rel": 1e-4}, "kl": {"rel": 0, "abs": 1e-6}}
+
+
 def sweep(results_dir, *args, **env):
     """``run.py -m …`` in a subprocess, offline, with no AQUA-KV predictors (so ``aquakv`` fails)."""
     env = {"KVQUANT_PREDICTOR_DIR": str(results_dir / "no-predictors"), **env}
@@ -91,6 +97,7 @@ def test_offline_wandb_runs_are_grouped_tagged_and_named(basic):
     assert by_method(out)["truncation"][1]["bits"]["read"] == 13.0
 
 
+@pytest.mark.numerics
 def test_joblib_sweep_matches_the_basic_launcher_and_resumes(basic, tmp_path):
     ref = by_method(basic[0])
     args = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "method=fp16,truncation", "logger=none"]
@@ -106,7 +113,10 @@ def test_joblib_sweep_matches_the_basic_launcher_and_resumes(basic, tmp_path):
         assert data["config_hash"] == ref[method][1]["config_hash"]
         for block in ("metrics", "fidelity", "bits", "memory"):
             expected = flatten(ref[method][1].get(block) or {})
-            assert flatten(data.get(block) or {}) == pytest.approx(expected, rel=1e-5, abs=1e-8), (method, block)
+            got_block = flatten(data.get(block) or {})
+            assert got_block.keys() == expected.keys(), (method, block)
+            for key, want in expected.items():
+                assert got_block[key] == pytest.approx(want, **LAUNCHER_TOLERANCE.get(key, {})), (method, key)
 
     again = sweep(tmp_path, *args)
     assert again.returncode == 0 and again.stdout.count("skip:") == 2

@@ -9,12 +9,11 @@ uses the fp16 scores on both sides, so it isolates the values.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from transformers import DynamicCache
 
 from kvquant.attention import capture_attention_inputs
+from kvquant.cache import KVGeometry
 
 BUCKETS = ("=0", "(0,1e-4]", "(1e-4,1e-3]", "(1e-3,1e-2]", ">1e-2")
 
@@ -38,9 +37,9 @@ def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def read_products(method, layer_idx: int, config, q, k, v, scaling: float) -> dict[str, torch.Tensor]:
+def read_products(method, layer_idx: int, geometry: KVGeometry, q, k, v, scaling: float) -> dict[str, torch.Tensor]:
     """``qk_full/qk_read`` ``[1, q_heads, 1, L]`` and ``sv_full/sv_read`` ``[1, q_heads, 1, d]`` (fp32)."""
-    layer = method.new_layer(layer_idx, config)
+    layer = method.new_layer(layer_idx, geometry)
     layer.update(k[:, :, :-1], v[:, :, :-1])
     k_read, v_read = layer.update(k[:, :, -1:], v[:, :, -1:])
     if hasattr(layer, "aligned_read"):  # a reader decides what it loads from the query
@@ -68,18 +67,11 @@ def relative_error_buckets(full: torch.Tensor, read: torch.Tensor) -> dict[str, 
 
 def relative_error_table(model, ids: torch.Tensor, methods: dict[str, object]) -> dict[str, dict[str, dict]]:
     """For each named method: bucket shares of ``QKᵀ`` and ``SV`` over all layers of one decode step."""
-    config = model.config.get_text_config(decoder=True)
-    layer_config = SimpleNamespace(
-        num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        num_attention_heads=config.num_attention_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-    )
+    geometry = KVGeometry.of(model.config)
     inputs = decode_step_inputs(model, ids)
     table = {}
     for name, method in methods.items():
-        products = [read_products(method, i, layer_config, *step) for i, step in enumerate(inputs)]
+        products = [read_products(method, i, geometry, *step) for i, step in enumerate(inputs)]
         table[name] = {
             kind: relative_error_buckets(
                 torch.cat([p[f"{kind}_full"].flatten() for p in products]),

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvquant.cache import KVGeometry
+
 SHAPES = {  # name: (query heads, KV heads, head_dim)
     "smollm2_135m": (9, 3, 64),
     "llama2_7b": (32, 32, 128),
@@ -34,12 +36,12 @@ def decode_step_time(method, shape: str, context: int, repeats: int = 5, warmup:
     k = torch.randn(1, hkv, context, d, generator=gen)
     v = torch.randn(1, hkv, context, d, generator=gen)
     q = torch.randn(1, hq, 1, d, generator=gen)
-    config = SimpleNamespace(num_key_value_heads=hkv, num_attention_heads=hq, head_dim=d, hidden_size=hq * d)
+    geometry = KVGeometry(n_layers=1, n_heads=hq, n_kv_heads=hkv, head_dim=d)
     module = SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
     scaling = d**-0.5
     times, bits_read = [], float("nan")
     for i in range(warmup + repeats):
-        layer = method.new_layer(0, config)
+        layer = method.new_layer(0, geometry)
         layer.update(k[:, :, :-1], v[:, :, :-1])
         before = _bits(layer.counts())
         start = time.perf_counter()

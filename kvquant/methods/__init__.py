@@ -1,7 +1,8 @@
-"""KV methods: one module per method; each registers itself by name when imported.
+"""KV methods: one module (or package) per method; each registers itself by name when imported.
 
-Every module in this package is imported on first use of the registry, so adding a method means
-adding a file (and a ``conf/method/*.yaml``), nothing else.
+Every module in this package is imported on first use of the registry, so a method is one module
+here, one ``conf/method/<name>.yaml`` and one test file: docs/adding_a_method.md. ``window`` is the
+shared fp16-window plumbing of the windowed methods, not a method.
 """
 
 from kvquant.methods.base import METHODS, KVMethod, get_method, method_names, register_method

@@ -5,36 +5,51 @@ Nothing is removed from storage: the saving is in what attention loads. The laye
 that carries the layer, and ``kvquant.attention`` calls ``attend``, which applies the rules
 (``key_widths``/``value_widths``), reads K and V at those widths and runs transformers' SDPA on
 what was read. Prefill attends in full precision, as in the paper, unless ``prefill_aligned``.
+
+Any layout whose attention goes through transformers' ``AttentionInterface`` (Llama, Mistral,
+Qwen2/3, Phi-3, Gemma-2/3): what was read goes to ``kvquant.attention.stock_attention`` with the
+model's ``scaling`` and ``softcap``, and the width rule's scores soft-cap the logits the same way.
+A sliding-window layer hands attention only its window, as transformers' sliding layers do, and
+drops every 64-token block that has fallen wholly out of it (up to 63 older tokens stay held).
 """
 
 from __future__ import annotations
 
-import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-import kernels_cupy
+import torch
+
 from kvquant.alignment import (
     BLOCK,
+    PlaneStore,
     accumulation_margin,
     block_key_widths,
     check_thresholds,
     key_widths,
     value_widths,
 )
-from kvquant.attention import tagged_placeholder, use_kvquant_attention
-from kvquant.cache import KVCache, KVLayer, to_fp16_checked
+from kvquant.attention import NAME as KVQUANT_ATTENTION
+from kvquant.attention import kernel_backend, route_attention, stock_attention, tagged_placeholder
+from kvquant.backends import check_backend, get_backend, select_backend
+from kvquant.cache import KVCache, KVGeometry, KVLayer, to_fp16_checked
 from kvquant.errors import InvalidParameterError
 from kvquant.methods.base import KVMethod, register_method
 
 WIDTHS = (8, 12, 16)
 
 
-def _scores(query: torch.Tensor, keys: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
-    """Attention probabilities (fp32) ``[b, q_heads, q_len, L]`` of ``query`` over ``keys`` (fp32), mask applied."""
+def _scores(
+    query: torch.Tensor, keys: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
+    """Attention probabilities (fp32) ``[b, q_heads, q_len, L]`` of ``query`` over ``keys`` (fp32):
+    logits scaled, soft-capped (``tanh(x/softcap)·softcap``, Gemma-2), then the mask applied."""
     b, hq, q_len, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
     grouped = query.float().reshape(b, hkv, (hq // hkv) * q_len, d)  # GQA without copying K
     logits = (torch.matmul(grouped, keys.transpose(-1, -2)) * scaling).view(b, hq, q_len, n)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[..., :n]
         logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
@@ -46,17 +61,36 @@ class AlignedLayer(KVLayer):
 
     is_croppable = False
 
-    def __init__(self, layer_idx: int, method: AlignedKVMethod, n_kv_heads: int):
+    def __init__(
+        self,
+        layer_idx: int,
+        method: AlignedKVMethod,
+        n_kv_heads: int,
+        backend: str = "torch",
+        window: int | None = None,
+    ):
         super().__init__(layer_idx)
-        self.method = method
-        self.store = kernels_cupy.plane_store(method.backend_used, method.blockwise)
-        self.kernels = method.backend_used == "cupy"
+        self.method, self.backend = method, backend
+        self.window, self.is_sliding = window, window is not None
+        self.seen = 0  # tokens appended so far; a sliding layer's store holds fewer
+        self.visible = 0  # the newest tokens of the store this step's attention sees
+        self.store = self.new_store()
+        self.kernels = backend == "cupy"
         self.head_widths_k = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.head_widths_v = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.capture_products = False
         self.products: dict[str, torch.Tensor] | None = None
         self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor, int]] = []
         self._dtype = torch.float16
+
+    def new_store(self) -> PlaneStore:
+        """Planes in the layout every backend reads; the CuPy backend's store packs with its kernel."""
+        if self.backend == "cupy":
+            return get_backend("cupy").ops.plane_store("cupy", self.method.blockwise)
+        return PlaneStore(block_exponents=self.method.blockwise)
+
+    def map_tensors(self, fn) -> None:
+        self.store.map_tensors(fn)
 
     def stored_k(self) -> list[torch.Tensor | None]:
         return self.store.tensors_k()
@@ -72,72 +106,101 @@ class AlignedLayer(KVLayer):
         return n, n
 
     def get_seq_length(self) -> int:
-        return self.store.n_tokens
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return KVGeometry.mask_sizes(self.window, self.seen, query_length)
+
+    def get_max_length(self) -> int:
+        return -1 if self.window is None else self.window
+
+    @property
+    def first_visible(self) -> int:
+        """Index, among the tokens the store holds, of the first one this step's attention sees."""
+        return self.store.n_tokens - self.visible
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._dtype = key_states.dtype
+        q_len = key_states.shape[2]
+        self.visible, _ = self.get_mask_sizes(q_len)
+        if self.window is not None and self.store.n_full:  # blocks no query from now on can see
+            self.store.drop_blocks(max(0, self.seen - self.window + 1 - self.dropped) // BLOCK)
         self.store.append(
             to_fp16_checked(key_states, self.layer_idx, "key"), to_fp16_checked(value_states, self.layer_idx, "value")
         )
-        if key_states.shape[2] == 1 or self.method.prefill_aligned:
+        self.seen += q_len
+        if q_len == 1 or self.method.prefill_aligned:
             b, h, _, d = key_states.shape
-            shape = (b, h, self.store.n_tokens, d)
+            shape = (b, h, self.visible, d)
             return (
                 tagged_placeholder(self, shape, key_states.dtype, key_states.device),
                 tagged_placeholder(self, shape, value_states.dtype, value_states.device),
             )
-        keys, values = self.store.read_keys(16), self.store.read_values(16)
+        first = self.first_visible
+        keys, values = self.store.read_keys(16)[:, :, first:], self.store.read_values(16)[:, :, first:]
         self.count_read({16: keys.numel()}, {16: values.numel()})
         return keys.to(key_states.dtype), values.to(value_states.dtype)
 
-    def aligned_read(self, query: torch.Tensor, attention_mask, scaling: float):
-        """Decide widths for this step and read K and V at them; returns ``(keys, values, wk, wv)``."""
-        store, method = self.store, self.method
+    @property
+    def dropped(self) -> int:
+        """Tokens a sliding layer has dropped (whole blocks that fell out of its window)."""
+        return self.seen - self.store.n_tokens
+
+    def aligned_read(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None):
+        """Decide widths for this step and read K and V at them; returns ``(keys, values, wk, wv)``,
+        ``keys``/``values`` being what attention sees and ``wv`` the widths of its block tokens."""
+        store, method, first = self.store, self.method, self.first_visible
         k_thresholds = method.thresholds_for(method.k_thresholds, query.shape[-1])
         if method.blockwise and store.k_exp is not None:
             wk = block_key_widths(query, store.k_absmax, store.k_exp, k_thresholds)
         else:
             wk = key_widths(query, store.k_absmax, k_thresholds)
-        keys = store.read_keys(wk, query.dtype)
-        scores = _scores(query, keys.float(), attention_mask, scaling)
-        v_thresholds = method.thresholds_for(method.v_thresholds, store.n_tokens)
-        wv_all = value_widths(scores, store.value_high_bytes(), v_thresholds, method.topk)
-        wv = wv_all[:, :, : store.n_full]
-        values = store.read_values(wv, query.dtype)
+        keys = store.read_keys(wk, query.dtype)[:, :, first:]
+        scores = _scores(query, keys.float(), attention_mask, scaling, softcap)
+        v_thresholds = method.thresholds_for(method.v_thresholds, self.visible)
+        wv_all = value_widths(scores, store.value_high_bytes()[:, :, first:], v_thresholds, method.topk)
+        wv = wv_all[:, :, : max(0, store.n_full - first)]
+        unseen = wv.new_full((*wv.shape[:2], min(first, store.n_full)), 16)  # held, out of the window: not read
+        values = store.read_values(torch.cat([unseen, wv], dim=2) if first else wv, query.dtype)[:, :, first:]
         if self.capture_products:
-            self.products = self._products(query, keys, values, attention_mask, scaling)
+            self.products = self._products(query, keys, values, attention_mask, scaling, softcap)
         return keys, values, wk, wv
 
     def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
         """Attention for one step over what the rules read (called by ``kvquant.attention``)."""
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         if self.kernels and not self.capture_products and (query.shape[2] == 1 or attention_mask is not None):
-            out, wk, wv = kernels_cupy.attend(self.method, self.store, query, attention_mask, scaling)
+            out, wk, wv = get_backend("cupy").ops.attend(self.method, self.store, query, attention_mask, scaling)
             self._record(wk, wv)
             return out, None
-        keys, values, wk, wv = self.aligned_read(query, attention_mask, scaling)
+        keys, values, wk, wv = self.aligned_read(query, attention_mask, scaling, kwargs.get("softcap"))
         self._record(wk, wv)
-        return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
+        return stock_attention(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     def _record(self, wk: torch.Tensor, wv: torch.Tensor) -> None:
-        """Per-head width counts for this step; folded into ``counts()`` lazily (no sync per step)."""
-        store = self.store
+        """Per-head width counts of the tokens this step's attention saw; folded into ``counts()``
+        lazily (no sync per step)."""
+        store, first = self.store, self.first_visible
         b, h, _, d = store.tail_k.shape
         heads = torch.arange(h, device=wk.device) * len(WIDTHS)
-        per_head_k = torch.bincount(
-            (heads.view(1, h, *[1] * (wk.dim() - 2)) + (wk - 8) // 4).flatten(), minlength=h * len(WIDTHS)
-        ).view(h, -1)
+        k_index = (heads.view(1, h, *[1] * (wk.dim() - 2)) + (wk - 8) // 4).flatten()
+        if wk.dim() == 4:  # per (block, channel): weighted by the block's tokens in the window
+            start = torch.arange(wk.shape[2], device=wk.device) * BLOCK
+            inside = (start + BLOCK - start.clamp_min(first)).clamp(0, BLOCK)
+            weights = inside.double().view(1, 1, -1, 1).expand(wk.shape).flatten()
+            per_head_k = torch.bincount(k_index, weights, minlength=h * len(WIDTHS)).round().long()
+        else:  # per column: every block token in the window
+            per_head_k = torch.bincount(k_index, minlength=h * len(WIDTHS)) * max(0, store.n_full - first)
         per_head_v = torch.bincount((heads.view(1, h, 1) + (wv - 8) // 4).flatten(), minlength=h * len(WIDTHS))
-        tokens_per_k_width = BLOCK if wk.dim() == 4 else store.n_full  # per-block or per-column widths
-        per_head_k, per_head_v = (per_head_k * tokens_per_k_width).cpu(), (per_head_v.view(h, -1) * d).cpu()
+        per_head_k, per_head_v = per_head_k.view(h, -1).cpu(), (per_head_v.view(h, -1) * d).cpu()
         self.head_widths_k += per_head_k
         self.head_widths_v += per_head_v
         # metadata read each step: the per-channel max |K| (fp16), plus one exponent byte per block channel
         meta_k = 16 * b * h * d + (8 * store.k_exp.numel() if store.k_exp is not None else 0)
-        tail = b * h * store.tail_k.shape[2] * d
-        self._pending.append((store.n_tokens, tail, per_head_k.sum(0), per_head_v.sum(0), meta_k))
+        tail = b * h * min(store.tail_k.shape[2], self.visible) * d
+        self._pending.append((self.seen, tail, per_head_k.sum(0), per_head_v.sum(0), meta_k))
 
     def counts(self):
         for position, tail, k, v, meta_k in self._pending:
@@ -150,10 +213,12 @@ class AlignedLayer(KVLayer):
         self._pending.clear()
         return super().counts()
 
-    def _products(self, query, keys, values, attention_mask, scaling) -> dict[str, torch.Tensor]:
+    def _products(self, query, keys, values, attention_mask, scaling, softcap=None) -> dict[str, torch.Tensor]:
         """``QKᵀ`` and ``SV`` from full fp16 K/V and from what was read (``SV`` with the fp16 scores)."""
-        full_k, full_v = self.store.read_keys(16, torch.float32), self.store.read_values(16, torch.float32)
-        full_scores = _scores(query, full_k, attention_mask, scaling)
+        first = self.first_visible
+        full_k = self.store.read_keys(16, torch.float32)[:, :, first:]
+        full_v = self.store.read_values(16, torch.float32)[:, :, first:]
+        full_scores = _scores(query, full_k, attention_mask, scaling, softcap)
         b, hq, q_len, _ = query.shape
         hkv = full_k.shape[1]
 
@@ -168,12 +233,14 @@ class AlignedLayer(KVLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.store = kernels_cupy.plane_store(self.method.backend_used, self.method.blockwise)
+        self.store = self.new_store()
+        self.seen = self.visible = 0
         self._pending.clear()
         self.head_widths_k.zero_()
         self.head_widths_v.zero_()
 
 
+@dataclass(frozen=True)
 class AlignedKVMethod(KVMethod):
     """Precision-aligned reads of fp16 K/V planes (AlignedKV, arXiv 2409.16546).
 
@@ -184,54 +251,73 @@ class AlignedKVMethod(KVMethod):
     ``kvquant.alignment.accumulation_margin(n)`` for the ``n`` addends of each sum (head_dim for
     ``QKᵀ``, context length for ``SV``). ``backend``: ``torch`` (this reference), ``cupy`` (the
     kernels in ``kernels_cupy``) or ``auto`` (cupy on a CUDA device). The default stays ``torch``
-    until ``scripts/gpu_check.sh`` has validated the kernels on a GPU (none was lent so far).
+    until ``scripts/gpu_check.sh`` has validated the kernels on a GPU (none was lent so far); the
+    backend a cache uses is resolved when it is built and kept on the cache, never on the method.
     """
 
-    blockwise = False
+    blockwise: ClassVar[bool] = False
+    attention: ClassVar[str | None] = KVQUANT_ATTENTION
 
-    def __init__(
-        self,
-        k_thresholds: tuple[float, float] = (4, 8),
-        v_thresholds: tuple[float, float] = (4, 8),
-        topk: int = 32,
-        prefill_aligned: bool = False,
-        margin: float = 0.0,
-        accumulation_margin: bool = False,
-        backend: str = "torch",
-    ):
-        self.k_thresholds = check_thresholds(k_thresholds, "k")
-        self.v_thresholds = check_thresholds(v_thresholds, "v")
-        if int(topk) < 1:
-            raise InvalidParameterError(f"topk must be >= 1, got {topk}")
-        if float(margin) < 0:
-            raise InvalidParameterError(f"margin must be >= 0 binades, got {margin}")
-        self.topk = int(topk)
-        self.prefill_aligned = bool(prefill_aligned)
-        self.margin = float(margin)
-        self.accumulation_margin = bool(accumulation_margin)
-        self.backend, self.backend_used = kernels_cupy.check_backend(backend), None
+    k_thresholds: tuple[float, float] = (4, 8)
+    v_thresholds: tuple[float, float] = (4, 8)
+    topk: int = 32
+    prefill_aligned: bool = False
+    margin: float = 0.0
+    accumulation_margin: bool = False
+    backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k_thresholds", check_thresholds(self.k_thresholds, "k"))
+        object.__setattr__(self, "v_thresholds", check_thresholds(self.v_thresholds, "v"))
+        if self.topk < 1:
+            raise InvalidParameterError(f"topk must be >= 1, got {self.topk}")
+        if self.margin < 0:
+            raise InvalidParameterError(f"margin must be >= 0 binades, got {self.margin}")
+        object.__setattr__(self, "margin", float(self.margin))
+        check_backend(self.backend)
 
     def thresholds_for(self, thresholds: tuple[float, float], n_addends: int) -> tuple[float, float]:
         """``thresholds`` raised by the margin (and the accumulation margin for ``n_addends``)."""
         extra = self.margin + (accumulation_margin(n_addends) if self.accumulation_margin else 0.0)
         return (thresholds[0] + extra, thresholds[1] + extra)
 
-    def new_layer(self, layer_idx: int, model_config) -> AlignedLayer:
-        n_kv = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-        return AlignedLayer(layer_idx, self, n_kv)
+    def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: str = "torch") -> AlignedLayer:
+        return AlignedLayer(layer_idx, self, geometry.n_kv_heads, backend, geometry.window(layer_idx))
 
-    def new_cache(self, model) -> KVCache:
-        self.backend_used = kernels_cupy.select_backend(self.backend, model.device)
-        use_kvquant_attention(model)
-        return super().new_cache(model)
+    def new_cache(self, model: Any) -> KVCache:
+        """Planes for every layer, on the backend ``backend`` resolves to for the model's device.
 
-    def describe(self) -> dict:
-        return {**super().describe(), **({"backend_used": self.backend_used} if self.backend_used else {})}
+        What the layout must give: a head dim that is a multiple of 8 (the plane layout) and query
+        heads that share KV heads evenly; else one line. The CuPy kernels apply neither logit
+        soft-capping nor a sliding window: such a model runs the torch reference (``auto``) or is
+        refused (``cupy``).
+        """
+        geometry = KVGeometry.of(model.config)
+        if geometry.head_dim % 8:
+            raise InvalidParameterError(
+                f"method {self.name or 'alignedkv'}: head_dim {geometry.head_dim} of model_type "
+                f"'{geometry.model_type}' must be a multiple of 8 for the plane layout"
+            )
+        if geometry.n_heads % geometry.n_kv_heads:
+            raise InvalidParameterError(
+                f"method {self.name or 'alignedkv'}: {geometry.n_heads} query heads cannot share "
+                f"{geometry.n_kv_heads} KV heads evenly"
+            )
+        route_attention(model, self.attention)
+        unsupported = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
+        if geometry.sliding_window is not None:
+            unsupported.append(f"sliding-window layers ({geometry.sliding_window})")
+        why = f"the plane kernels have no {' or '.join(unsupported)}" if unsupported else None
+        backend = kernel_backend(self.backend, select_backend(self.backend, model.device, "planes"), why)
+        cache = KVCache([self.new_layer(i, geometry, backend) for i in range(geometry.n_layers)])
+        cache.backend = backend
+        return cache
 
-    def analytic_bits(self) -> float:
+    def analytic_bits(self, geometry: KVGeometry | None = None) -> float:
         return 16.0
 
 
+@dataclass(frozen=True)
 class AlignedKVPlusMethod(AlignedKVMethod):
     """AlignedKV+: key widths per (head, channel, 64-token block) from each block's own max ``|K|``.
 
@@ -240,7 +326,7 @@ class AlignedKVPlusMethod(AlignedKVMethod):
     the block) lets each block read only what its own magnitude needs, against the same ``max P``.
     """
 
-    blockwise = True
+    blockwise: ClassVar[bool] = True
 
 
 register_method("alignedkv", AlignedKVMethod)

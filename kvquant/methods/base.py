@@ -1,45 +1,83 @@
 """The small base every KV method derives from, and the registry that maps config names to methods.
 
-A method is a parameter set plus a factory for per-layer stores; it knows nothing about Hydra or
-W&B. Later methods add a class and a ``register`` line, nothing else.
+A method is a frozen dataclass of its parameters (validated in ``__post_init__``) plus a factory
+for per-layer stores; it knows nothing about Hydra or W&B, and nothing a model decides (head dim,
+backend, analytic bits) is ever written back onto it: that goes into the cache it builds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
-from kvquant.cache import KVCache, KVLayer
+from kvquant.cache import KVCache, KVGeometry, KVLayer
 from kvquant.registry import Registry, import_submodules, init_params
 
 
+@dataclasses.dataclass(frozen=True)
 class KVMethod(ABC):
-    """A KV-cache method: ``new_cache(model)`` returns a fresh ``KVCache`` for one sequence batch."""
+    """A KV-cache method: ``new_cache(model)`` returns a fresh ``KVCache`` for one sequence batch.
 
-    name: str = ""
+    Subclasses are ``@dataclass(frozen=True)``; their fields are the parameters a config sets, and
+    their ``__post_init__`` validates them (``InvalidParameterError``, one line).
+    ``name`` is the registry name it was built under (``kivi2``), set by the registry.
+    """
+
+    name: ClassVar[str] = ""
+    #: the attention function this method's layers need (``kvquant.attention.NAME``) or None (stock)
+    attention: ClassVar[str | None] = None
 
     @abstractmethod
-    def new_layer(self, layer_idx: int, model_config: Any) -> KVLayer:
+    def new_layer(self, layer_idx: int, geometry: KVGeometry) -> KVLayer:
         """The store for one decoder layer."""
 
     def new_cache(self, model: Any) -> KVCache:
-        config = model.config.get_text_config(decoder=True)
-        return KVCache([self.new_layer(i, config) for i in range(config.num_hidden_layers)])
+        """A fresh cache for ``model``; routes the model's attention if this method reads inside it."""
+        if self.attention is not None:
+            from kvquant.attention import route_attention
+
+            route_attention(model, self.attention)
+        geometry = KVGeometry.of(model.config)
+        return KVCache([self.new_layer(i, geometry) for i in range(geometry.n_layers)])
+
+    @contextlib.contextmanager
+    def attach(self, model: Any) -> Iterator[Any]:
+        """``with method.attach(model):`` — the model's attention as this method needs it inside the
+        block, and exactly as it was (stock SDPA, eager, …) after it."""
+        from kvquant.attention import restore_attention, route_attention
+
+        previous = model.config._attn_implementation
+        if self.attention is not None:
+            route_attention(model, self.attention)
+        try:
+            yield model
+        finally:
+            restore_attention(model, previous)
 
     def params(self) -> dict[str, Any]:
-        """The constructor parameters, as recorded in results.json."""
+        """The parameters, as recorded in results.json (and as ``conf/method/<name>.yaml`` sets them)."""
         return init_params(self)
 
-    def analytic_bits(self) -> float | None:
+    def with_params(self, **changes: Any) -> KVMethod:
+        """A copy with some parameters changed (validated again), keeping the registry name."""
+        new = dataclasses.replace(self, **changes)
+        object.__setattr__(new, "name", self.name)
+        return new
+
+    def analytic_bits(self, geometry: KVGeometry | None = None) -> float | None:
         """Bits per stored element by formula, where the method has one (reported beside the measured)."""
         return None
 
+    def adaptations(self, geometry: KVGeometry) -> dict[str, Any]:
+        """Parameters this method changes to fit ``geometry`` (``{"group_size": [32, 8]}``: default,
+        used), as its caches record them; ``{}`` when it runs as configured."""
+        return {}
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **self.params()}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
-        return f"{type(self).__name__}({args})"
 
 
 METHODS: Registry[KVMethod] = Registry("method")

@@ -1,18 +1,65 @@
-"""fp16: the baseline every method is measured against — K/V stored and read as IEEE half."""
+"""fp16: the baseline every method is measured against — K/V stored and read as IEEE half.
+
+Reads never re-expand the history into a fresh fp32 tensor every step: with ``backend=cpu`` the
+C++ kernel reads the fp16 tensors as they are; with ``torch`` the history is copied into one fp32
+working buffer per cache (``ReadBuffer``), reused by every layer and step.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from kvquant.cache import KVLayer, to_fp16_checked
+from kvquant.attention import NAME as KVQUANT_ATTENTION
+from kvquant.attention import kernel_backend, route_attention, tagged_placeholder
+from kvquant.backends import check_backend, get_backend, select_backend
+from kvquant.cache import CropError, KVCache, KVGeometry, KVLayer, to_fp16_checked
 from kvquant.methods.base import KVMethod, register_method
+
+
+class ReadBuffer:
+    """One working buffer a cache's layers read K/V into, grown when a longer history needs it.
+
+    Layers run one after another and attention consumes what a layer returns before the next
+    layer's update, so one buffer serves them all: a copy into kept memory instead of a new
+    allocation (page-faulted afresh above the allocator's mmap threshold) per layer and step.
+    """
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def read(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        nk, nv = keys.numel(), values.numel()
+        buf = self.buffer
+        if buf is None or buf.numel() < nk + nv or buf.dtype != dtype or buf.device != keys.device:
+            buf = self.buffer = torch.empty(int((nk + nv) * 1.25) + 1024, dtype=dtype, device=keys.device)
+        out_k, out_v = buf[:nk].view(keys.shape), buf[nk : nk + nv].view(values.shape)
+        return out_k.copy_(keys), out_v.copy_(values)
 
 
 class Fp16Layer(KVLayer):
     """A dynamic layer that stores K/V in float16 whatever the compute dtype.
 
     On a CPU the model runs in fp32; storing fp16 keeps the baseline's 16 bits real there too.
+    ``window`` (a sliding-window layer's ``sliding_window``): between steps the layer holds only the
+    newest ``window − 1`` tokens, as transformers' ``DynamicSlidingWindowLayer`` does, and reports
+    the same mask sizes, so masks stay right and the bytes measured are the window's.
     """
+
+    def __init__(
+        self,
+        layer_idx: int | None = None,
+        backend: str = "torch",
+        buffer: ReadBuffer | None = None,
+        window: int | None = None,
+    ):
+        super().__init__(layer_idx)
+        self.backend, self.buffer = backend, buffer or ReadBuffer()
+        self.window, self.is_sliding = window, window is not None
+        self.seen = 0
+        self._attend_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -21,26 +68,111 @@ class Fp16Layer(KVLayer):
             self.values = value_states.new_empty(
                 (*value_states.shape[:-2], 0, value_states.shape[-1]), dtype=torch.float16
             )
-        self.keys = torch.cat([self.keys, to_fp16_checked(key_states, self.layer_idx, "key")], dim=-2)
-        self.values = torch.cat([self.values, to_fp16_checked(value_states, self.layer_idx, "value")], dim=-2)
-        return self.read(key_states.dtype)
+        keys = torch.cat([self.keys, to_fp16_checked(key_states, self.layer_idx, "key")], dim=-2)
+        values = torch.cat([self.values, to_fp16_checked(value_states, self.layer_idx, "value")], dim=-2)
+        self.seen += key_states.shape[-2]
+        self.keys, self.values = self._kept(keys), self._kept(values)
+        return self.read(key_states.dtype, keys, values)
 
-    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """What attention gets: the whole history, read at 16 bits."""
-        self.count_read({16: self.keys.numel()}, {16: self.values.numel()})
-        return self.keys.to(dtype), self.values.to(dtype)
+    def _kept(self, x: torch.Tensor) -> torch.Tensor:
+        """What stays held after a step: everything, or a sliding layer's newest ``window − 1`` tokens
+        (a copy, so the longer tensor handed to attention is not kept alive by a view)."""
+        n = x.shape[-2]
+        if self.window is None or n < self.window:
+            return x
+        return x[..., n - self.window + 1 :, :].clone()
+
+    def read(
+        self, dtype: torch.dtype, keys: torch.Tensor | None = None, values: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention gets: ``keys``/``values`` (this step's history, fp16; by default what is held)
+        at 16 bits (for a kernel: a placeholder that sends attention to ``attend``)."""
+        keys, values = (self.keys, self.values) if keys is None else (keys, values)
+        self.count_read({16: keys.numel()}, {16: values.numel()})
+        if self.backend != "torch":
+            self._attend_kv = (keys, values)
+            return (
+                tagged_placeholder(self, tuple(keys.shape), dtype, keys.device),
+                tagged_placeholder(self, tuple(values.shape), dtype, values.device),
+            )
+        if dtype == torch.float16:
+            return keys, values
+        return self.buffer.read(keys, values, dtype)
+
+    def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
+        """Attention over this step's fp16 history by the backend's kernel (called by ``kvquant.attention``)."""
+        keys, values = self._attend_kv
+        self._attend_kv = None
+        n = keys.shape[-2]
+        mask = attention_mask[..., :n] if attention_mask is not None else None
+        causal = mask is None and query.shape[2] > 1
+        out = get_backend(self.backend).ops.attend_fp16(query, keys, values, mask, scaling, causal)
+        return out.transpose(1, 2).contiguous(), None
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return KVGeometry.mask_sizes(self.window, self.seen, query_length)
+
+    def get_max_length(self) -> int:
+        return -1 if self.window is None else self.window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the newest tokens (assisted decoding): ``-n`` removes ``n``; a positive value is the
+        length to keep (the legacy ``crop(max_length)``). A sliding layer can do so until its window
+        has filled (older tokens are gone by then)."""
+        if not self.is_initialized:
+            return
+        keep = tokens_to_remove if tokens_to_remove > 0 else self.seen + tokens_to_remove
+        if keep >= self.seen:
+            return
+        if self.window is not None and self.seen >= self.window:
+            raise CropError(
+                f"layer {self.layer_idx}: a sliding-window layer keeps only its window and cannot be cropped "
+                "once the window has filled; use a fresh cache"
+            )
+        keep = max(0, keep)
+        self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+        self.seen = keep
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen, self._attend_kv = 0, None
 
 
+@dataclass(frozen=True)
 class Fp16Method(KVMethod):
-    """Plain half-precision cache: 16 bits stored, 16 read."""
+    """Plain half-precision cache: 16 bits stored, 16 read. ``backend``: ``torch`` (reference),
+    ``cpu`` (the C++ kernel reading fp16 in place) or ``auto`` (the kernel where it is built)."""
 
-    def __init__(self) -> None:
-        pass
+    backend: str = "torch"
 
-    def new_layer(self, layer_idx: int, model_config) -> Fp16Layer:
-        return Fp16Layer(layer_idx)
+    def __post_init__(self) -> None:
+        check_backend(self.backend)
 
-    def analytic_bits(self) -> float:
+    def new_layer(
+        self, layer_idx: int, geometry: KVGeometry | None, backend: str = "torch", buffer: ReadBuffer | None = None
+    ) -> Fp16Layer:
+        """The store for one layer (a full-attention one when no ``geometry`` says otherwise)."""
+        return Fp16Layer(layer_idx, backend, buffer, geometry.window(layer_idx) if geometry else None)
+
+    def new_cache(self, model: Any) -> KVCache:
+        """Layers on the backend ``backend`` resolves to; the kernel has no logit soft-capping, so a
+        soft-capped model (Gemma-2) runs the torch reference (``auto``) or is refused (``cpu``)."""
+        geometry, buffer = KVGeometry.of(model.config), ReadBuffer()
+        softcap = geometry.softcap
+        why = f"the fp16 kernel has no attention-logit soft-capping ({geometry.model_type}: {softcap})"
+        backend = kernel_backend(
+            self.backend, select_backend(self.backend, model.device, "fp16"), why if softcap is not None else None
+        )
+        if backend != "torch":
+            route_attention(model, KVQUANT_ATTENTION)
+        cache = KVCache([self.new_layer(i, geometry, backend, buffer) for i in range(geometry.n_layers)])
+        cache.backend = backend
+        return cache
+
+    def analytic_bits(self, geometry: KVGeometry | None = None) -> float:
         return 16.0
 
 

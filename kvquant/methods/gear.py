@@ -28,6 +28,11 @@ reads are accounted as for KIVI (every byte held, spread over the compressed ele
 Cost per compressed element, on top of KIVI's ``bits + 32/group_size``: ``48·s`` for the outliers
 (0.96 bits at s = 2%) and ``16·r·(1/T + 1/D)`` for the factors — about 1 bit at r = 4 and D = 64,
 since GEAR's correction is per head. ``analytic_bits`` gives the exact figure for a prompt.
+
+Batch rows are independent: every tensor held is batch-first and an outlier position counts within
+its own (batch row, head) matrix, so a beam reorder moves positions with their values and stays
+valid. The window, read counting and shared parameters are ``kvquant.methods.window``'s;
+``group_size`` None is the paper's 64 adapted to the model's head dim.
 """
 
 from __future__ import annotations
@@ -35,21 +40,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
 import torch
 
+from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
-from kvquant.methods.base import KVMethod, register_method
-from kvquant.methods.kivi import (
-    CHANNEL_AXIS,
-    TOKEN_AXIS,
-    Stream,
-    WindowedLayer,
-    check_head_dim,
-    check_window_params,
-    head_dim_of,
-)
+from kvquant.methods.base import register_method
+from kvquant.methods.window import CHANNEL_AXIS, TOKEN_AXIS, Stream, WindowedLayer, WindowedMethod
 from kvquant.quant.integer import QuantizedTensor, cat, dequantize, quantize
 
 INDEX_DTYPE = torch.int32
@@ -93,20 +91,8 @@ class LowRankRun:
 class GearStore:
     """GEAR's compressed history of K or V: base codes, outlier positions/values, low-rank runs."""
 
-    def __init__(
-        self,
-        bits: int,
-        axis: int,
-        group_size: int,
-        outlier_ratio: float,
-        rank: int,
-        rank_decode: int,
-        loops: int,
-        seed: int,
-    ):
-        self.bits, self.axis, self.group_size = bits, axis, group_size
-        self.outlier_ratio, self.rank, self.rank_decode = outlier_ratio, rank, rank_decode
-        self.loops, self.seed = loops, seed
+    def __init__(self, params: GearBase, axis: int, group_size: int):
+        self.params, self.axis, self.group_size = params, axis, group_size
         self.q: QuantizedTensor | None = None
         self.index: torch.Tensor | None = None  # [B, H, n_outliers] int32, token·D + channel
         self.value: torch.Tensor | None = None  # [B, H, n_outliers] fp16
@@ -117,7 +103,8 @@ class GearStore:
         b, h, t, d = x.shape
         x = x.float()
         mask = None
-        k = outlier_count(self.outlier_ratio, t * d)
+        p = self.params
+        k = outlier_count(p.outlier_ratio, t * d)
         if k:
             flat = x.reshape(b, h, t * d)
             pos = torch.cat([flat.topk(k, dim=-1).indices, flat.topk(k, dim=-1, largest=False).indices], dim=-1)
@@ -126,13 +113,13 @@ class GearStore:
             index = (pos + self.length * d).to(INDEX_DTYPE)
             self.index = index if self.index is None else torch.cat([self.index, index], dim=-1)
             self.value = value if self.value is None else torch.cat([self.value, value], dim=-1)
-        q = quantize(x, self.bits, self.axis, self.group_size, mask=mask)
-        rank = min(self.rank_decode if decode else self.rank, t, d)
+        q = quantize(x, p.bits, self.axis, self.group_size, mask=mask)
+        rank = min(p.rank_decode if decode else p.rank, t, d)
         if rank:
             residual = x - dequantize(q)
             if mask is not None:
                 residual.masked_fill_(mask, 0.0)
-            a, bf = low_rank(residual, rank, self.loops, self.seed)
+            a, bf = low_rank(residual, rank, p.loops, p.seed)
             self._append_run(a.half().unsqueeze(2), bf.half().unsqueeze(2), t)
         self.q = q if self.q is None else cat([self.q, q], dim=TOKEN_AXIS)
         self.length += t
@@ -177,107 +164,64 @@ class GearStore:
 class GearLayer(WindowedLayer):
     """One decoder layer's GEAR store (layout and streaming in the module docstring)."""
 
-    method = "gear"
-
-    def __init__(
-        self,
-        layer_idx: int,
-        bits: int = 4,
-        group_size: int = 64,
-        residual: int = 128,
-        outlier_ratio: float = 0.02,
-        rank: int = 4,
-        rank_decode: int = 2,
-        loops: int = 3,
-        seed: int = 0,
-    ):
-        check_gear_params(self.method, bits, group_size, residual, outlier_ratio, rank, rank_decode, loops)
-        self.bits, self.residual, self.outlier_ratio = bits, residual, outlier_ratio
-        self.rank, self.rank_decode, self.loops, self.seed = rank, rank_decode, loops, seed
-        super().__init__(layer_idx, group_size)
+    params: GearBase
 
     def new_streams(self) -> tuple[Stream, Stream]:
-        def store(axis: int) -> GearStore:
-            return GearStore(
-                self.bits, axis, self.group_size, self.outlier_ratio, self.rank, self.rank_decode, self.loops, self.seed
-            )
-
-        keys = Stream(store(TOKEN_AXIS), self.residual, block=self.residual)
-        values = Stream(store(CHANNEL_AXIS), self.residual, block=self.residual)
+        residual = self.params.residual
+        keys = Stream(GearStore(self.params, TOKEN_AXIS, self.group_size), residual, block=residual)
+        values = Stream(GearStore(self.params, CHANNEL_AXIS, self.group_size), residual, block=residual)
         return keys, values
 
 
-def check_gear_params(
-    method: str,
-    bits: int,
-    group_size: int,
-    residual: int,
-    outlier_ratio: float,
-    rank: int,
-    rank_decode: int,
-    loops: int,
-) -> None:
-    check_window_params(method, bits, GearMethod.allowed_bits, group_size, residual)
-    if not 0.0 <= outlier_ratio < 1.0:
-        raise InvalidParameterError(f"{method}: outlier_ratio must be in [0, 1), got {outlier_ratio}")
-    if rank < 0 or rank_decode < 0:
-        raise InvalidParameterError(f"{method}: rank and rank_decode must be >= 0, got {rank} and {rank_decode}")
-    if loops < 1:
-        raise InvalidParameterError(f"{method}: loops (power iterations) must be >= 1, got {loops}")
+@dataclass(frozen=True)
+class GearBase(WindowedMethod):
+    """What GEAR and GEAR-L share: a ``bits``-bit KIVI-style base in groups of ``group_size`` (None:
+    64, adapted to the head dim) and a rank-``rank`` (prefill) / rank-``rank_decode`` (decode)
+    residual correction from ``loops`` seeded power iterations; the newest tokens in an fp16 window."""
 
-
-class GearMethod(KVMethod):
-    """GEAR: ``bits``-bit KIVI-style base + ``outlier_ratio`` exact outliers + rank-``rank`` (prefill) /
-    rank-``rank_decode`` (decode) residual correction; the newest tokens in an fp16 window."""
+    bits: int = 4
+    rank: int = 4
+    rank_decode: int = 2
+    loops: int = 3
+    seed: int = 0
 
     allowed_bits = (2, 4)
+    default_group_size = 64
+    family = "gear"
+    outlier_ratio: ClassVar[float] = 0.0
 
-    def __init__(
-        self,
-        bits: int = 4,
-        group_size: int = 64,
-        residual: int = 128,
-        outlier_ratio: float = 0.02,
-        rank: int = 4,
-        rank_decode: int = 2,
-        loops: int = 3,
-        seed: int = 0,
-    ):
-        check_gear_params(self.name or "gear", bits, group_size, residual, outlier_ratio, rank, rank_decode, loops)
-        self.bits, self.group_size, self.residual = bits, group_size, residual
-        self.outlier_ratio, self.rank, self.rank_decode = outlier_ratio, rank, rank_decode
-        self.loops, self.seed = loops, seed
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        label = f"method {self.label}"
+        if not 0.0 <= self.outlier_ratio < 1.0:
+            raise InvalidParameterError(f"{label}: outlier_ratio must be in [0, 1), got {self.outlier_ratio}")
+        if self.rank < 0 or self.rank_decode < 0:
+            raise InvalidParameterError(
+                f"{label}: rank and rank_decode must be >= 0, got {self.rank} and {self.rank_decode}"
+            )
+        if self.loops < 1:
+            raise InvalidParameterError(f"{label}: loops (power iterations) must be >= 1, got {self.loops}")
 
-    def new_layer(self, layer_idx: int, model_config: Any) -> GearLayer:
-        name = self.name or "gear"
-        check_head_dim(name, self.group_size, head_dim_of(model_config))
-        layer = GearLayer(
-            layer_idx,
-            self.bits,
-            self.group_size,
-            self.residual,
-            self.outlier_ratio,
-            self.rank,
-            self.rank_decode,
-            self.loops,
-            self.seed,
-        )
-        layer.method = name
-        return layer
+    def new_layer(self, layer_idx: int, geometry: KVGeometry) -> GearLayer:
+        return GearLayer(layer_idx, self, self.group_size_for(geometry.head_dim))
 
-    def analytic_bits(self, context: int | None = None, head_dim: int = 64) -> float:
+    def analytic_bits(self, geometry: KVGeometry | None = None, context: int | None = None) -> float:
         """Bits per stored element for a ``context``-token prompt written in one update (one prefill
-        segment of ``⌊(L−1)/R⌋·R`` tokens with a rank-``rank`` correction, the rest in the fp16 window),
-        at ``head_dim``; ``context=None``: the limit L → ∞, ``bits + 32/group_size + 48·outlier_ratio``
-        (low-rank factors and window vanish per element)."""
-        g = self.group_size
+        segment of ``⌊(L−1)/R⌋·R`` tokens with a rank-``rank`` correction, the rest in the fp16 window)
+        on ``geometry`` (needed for a ``context``: the factors' cost depends on the head dim);
+        ``context=None``: the limit L → ∞, ``bits + 32/group_size + 48·outlier_ratio`` (low-rank
+        factors and window vanish per element)."""
+        g = self.group_size_for(geometry.head_dim) if geometry is not None else self.group_size
+        g = g or self.default_group_size
         if context is None:
             return self.bits + 32 / g + SPARSE_BITS * self.outlier_ratio
         if context < 1:
             raise InvalidParameterError(f"context must be >= 1, got {context}")
+        if geometry is None:
+            raise InvalidParameterError(f"method {self.label}: analytic bits at a context need the model's geometry")
         r = self.residual
         t = (context - 1) // r * r if context > r else 0
-        d = head_dim
+        d = geometry.head_dim
         total = 0.0
         for meta in (t // g * d, t * (d // g)):  # keys: per channel per token group; values: per token
             codes = self.bits * t * d + 32 * meta
@@ -287,20 +231,20 @@ class GearMethod(KVMethod):
         return total / (2 * context * d)
 
 
-class GearLMethod(GearMethod):
+@dataclass(frozen=True)
+class GearMethod(GearBase):
+    """GEAR (Kang et al., 2024, "GEAR: An Efficient KV Cache Compression Recipe for Near-Lossless
+    Generative Inference of LLM"): the shared base plus the ``outlier_ratio`` largest and smallest
+    entries of each segment kept exact."""
+
+    outlier_ratio: float = 0.02
+
+
+@dataclass(frozen=True)
+class GearLMethod(GearBase):
     """GEAR-L: GEAR without the sparse outliers (quantization + low-rank residual only)."""
 
-    def __init__(
-        self,
-        bits: int = 4,
-        group_size: int = 64,
-        residual: int = 128,
-        rank: int = 4,
-        rank_decode: int = 2,
-        loops: int = 3,
-        seed: int = 0,
-    ):
-        super().__init__(bits, group_size, residual, 0.0, rank, rank_decode, loops, seed)
+    family = "gear_l"
 
 
 register_method("gear", GearMethod)

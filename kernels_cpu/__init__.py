@@ -1,0 +1,25 @@
+"""Fused C++ CPU attention over kvquant's stored K/V formats (fp16, KIVI, GEAR), built once into the user cache.
+
+``python -m kernels_cpu build`` compiles them (``make setup`` does); afterwards importing this
+package only loads the built library. Nothing here raises at import: ``status()`` returns
+``(available, reason)`` and callers fall back to the torch path when it is False. The kernels are
+plain functions over the tensors a layer holds (``kernels_cpu.ops``); this package imports only
+torch (and platformdirs for the cache folder).
+"""
+
+from __future__ import annotations
+
+from kernels_cpu.loader import Status, build, build_dir, status
+from kernels_cpu.ops import attend_fp16, attend_gear, attend_kivi, gear_tensors, kivi_tensors
+
+__all__ = [
+    "Status",
+    "attend_fp16",
+    "attend_gear",
+    "attend_kivi",
+    "build",
+    "build_dir",
+    "gear_tensors",
+    "kivi_tensors",
+    "status",
+]

@@ -1,0 +1,226 @@
+// Python bindings: argument checks, then the format's kernel (fp16.cpp, kivi.cpp, gear.cpp; driver in kernels.h).
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor casters without all of torch/extension.h
+
+#include "kernels.h"
+
+namespace kvq {
+
+// ---------------------------------------------------------------- argument checks
+
+const uint16_t* half_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
+
+Half4 half4(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_t D) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf, name, " must be float16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(3) == D, name,
+              " must be [B, Hkv, T, D] = [", B, ", ", H, ", T, ", D, "], got ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " needs a contiguous last dim");
+  return Half4{half_ptr(t), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+Problem problem(const at::Tensor& q, int64_t Hkv, int64_t L, const c10::optional<at::Tensor>& mask, bool causal,
+                double scaling) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32, got ", q.scalar_type());
+  TORCH_CHECK(q.dim() == 4, "q must be [B, Hq, q_len, D], got ", q.sizes());
+  TORCH_CHECK(q.stride(3) == 1, "q needs a contiguous last dim");
+  Problem P{};
+  P.B = q.size(0);
+  P.Hq = q.size(1);
+  P.Q = q.size(2);
+  P.D = int(q.size(3));
+  P.Hkv = Hkv;
+  P.L = L;
+  TORCH_CHECK(P.D >= 1 && P.D <= DMAX, "head_dim must be in 1..", DMAX, ", got ", P.D);
+  TORCH_CHECK(Hkv >= 1 && P.Hq % Hkv == 0, "query heads (", P.Hq, ") must be a multiple of KV heads (", Hkv, ")");
+  TORCH_CHECK(P.Q >= 1 && L >= 1, "need q_len >= 1 and at least one key");
+  P.g = int(P.Hq / Hkv);
+  P.q = q.data_ptr<float>();
+  P.qb = q.stride(0);
+  P.qh = q.stride(1);
+  P.qt = q.stride(2);
+  P.causal = causal;
+  P.scaling = float(scaling);
+  P.has_mask = mask.has_value();
+  if (P.has_mask) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.dim() == 4 && m.size(0) == P.B && m.size(1) == P.Hq && m.size(2) == P.Q && m.size(3) == L,
+                "mask must be expanded to [B, Hq, q_len, L] = [", P.B, ", ", P.Hq, ", ", P.Q, ", ", L, "], got ",
+                m.sizes());
+    if (m.scalar_type() == at::kBool) {
+      P.mask.b = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+    } else {
+      TORCH_CHECK(m.scalar_type() == at::kFloat, "mask must be bool or float32, got ", m.scalar_type());
+      P.mask.f = m.data_ptr<float>();
+    }
+    P.mb = m.stride(0);
+    P.mh = m.stride(1);
+    P.mq = m.stride(2);
+    P.mask.st = m.stride(3);
+  }
+  return P;
+}
+
+QuantPart quant_part(const c10::optional<at::Tensor>& codes, const c10::optional<at::Tensor>& scale,
+                     const c10::optional<at::Tensor>& zero, const char* name, int64_t B, int64_t H, int64_t D,
+                     int bits, int64_t G, bool per_channel) {
+  QuantPart qp;
+  if (!codes.has_value()) return qp;
+  TORCH_CHECK(scale.has_value() && zero.has_value(), name, ": codes given without scale and zero");
+  const at::Tensor &c = *codes, &s = *scale, &z = *zero;
+  const int64_t nbytes = (D * bits + 7) / 8;
+  TORCH_CHECK(c.scalar_type() == at::kByte && c.dim() == 4 && c.size(0) == B && c.size(1) == H && c.size(3) == nbytes,
+              name, " codes must be uint8 [B, Hkv, T, ", nbytes, "], got ", c.scalar_type(), " ", c.sizes());
+  TORCH_CHECK(c.stride(3) == 1, name, " codes need a contiguous last dim");
+  const int64_t n = c.size(2);
+  TORCH_CHECK(s.scalar_type() == at::kHalf && z.scalar_type() == at::kHalf, name, " scale/zero must be float16");
+  TORCH_CHECK(s.sizes() == z.sizes() && s.strides() == z.strides(), name, " scale and zero must share one layout");
+  if (per_channel) {  // keys: [B, H, n/G, 1, D]
+    TORCH_CHECK(n % G == 0, name, ": quantized keys must hold whole groups, got ", n, " tokens for group ", G);
+    TORCH_CHECK(s.dim() == 5 && s.size(0) == B && s.size(1) == H && s.size(2) == n / G && s.size(3) == 1 &&
+                    s.size(4) == D && s.stride(4) == 1,
+                name, " scale must be [B, Hkv, T/G, 1, D] with a contiguous last dim, got ", s.sizes());
+  } else {  // values: [B, H, n, D/G, 1]
+    TORCH_CHECK(D % G == 0, name, ": group size ", G, " must divide head_dim ", D);
+    TORCH_CHECK(s.dim() == 5 && s.size(0) == B && s.size(1) == H && s.size(2) == n && s.size(3) == D / G &&
+                    s.size(4) == 1 && (s.stride(3) == 1 || s.size(3) == 1),
+                name, " scale must be [B, Hkv, T, D/G, 1] with contiguous groups, got ", s.sizes());
+  }
+  qp.codes = c.data_ptr<uint8_t>();
+  qp.cb = c.stride(0);
+  qp.ch = c.stride(1);
+  qp.ct = c.stride(2);
+  qp.scale = half_ptr(s);
+  qp.zero = half_ptr(z);
+  qp.sb = s.stride(0);
+  qp.sh = s.stride(1);
+  qp.s2 = s.stride(2);
+  qp.n = n;
+  return qp;
+}
+
+std::vector<Run> runs(const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
+                      const std::vector<at::Tensor>& as, const std::vector<at::Tensor>& bs, const char* name, int64_t B,
+                      int64_t H, int64_t D, int64_t n) {
+  TORCH_CHECK(starts.size() == lens.size() && lens.size() == as.size() && as.size() == bs.size(), name,
+              ": runs need one start, length, A and B each");
+  std::vector<Run> out;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    const at::Tensor &a = as[i], &b = bs[i];
+    TORCH_CHECK(a.scalar_type() == at::kHalf && b.scalar_type() == at::kHalf, name, " low-rank factors must be float16");
+    TORCH_CHECK(a.dim() == 5 && a.size(0) == B && a.size(1) == H && a.size(3) == lens[i], name,
+                " A must be [B, Hkv, n_segments, seg_len, r], got ", a.sizes());
+    TORCH_CHECK(b.dim() == 5 && b.size(0) == B && b.size(1) == H && b.size(2) == a.size(2) && b.size(3) == D &&
+                    b.size(4) == a.size(4),
+                name, " B must be [B, Hkv, n_segments, D, r] matching A, got ", b.sizes());
+    TORCH_CHECK(a.size(4) <= DMAX, name, " rank above ", DMAX);
+    Run r;
+    r.start = starts[i];
+    r.len = lens[i];
+    r.nseg = a.size(2);
+    r.rank = int(a.size(4));
+    TORCH_CHECK(r.start >= 0 && r.len >= 1 && r.start + r.len * r.nseg <= n, name, " run ", i,
+                " lies outside the quantized tokens");
+    r.a = half_ptr(a);
+    r.ab = a.stride(0);
+    r.ah = a.stride(1);
+    r.as = a.stride(2);
+    r.at = a.stride(3);
+    r.aj = a.stride(4);
+    r.b = half_ptr(b);
+    r.bb = b.stride(0);
+    r.bh = b.stride(1);
+    r.bs = b.stride(2);
+    r.bc = b.stride(3);
+    r.bj = b.stride(4);
+    out.push_back(r);
+  }
+  return out;
+}
+
+void outliers(GearStream& st, const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& value,
+              const char* name, int64_t B, int64_t H) {
+  if (!index.has_value()) return;
+  TORCH_CHECK(value.has_value(), name, ": outlier index given without values");
+  const at::Tensor &i = *index, &v = *value;
+  TORCH_CHECK(i.scalar_type() == at::kInt && v.scalar_type() == at::kHalf, name,
+              " outliers must be int32 positions and float16 values");
+  TORCH_CHECK(i.dim() == 3 && i.size(0) == B && i.size(1) == H && v.sizes() == i.sizes() && i.stride(2) == 1 &&
+                  v.stride(2) == 1,
+              name, " outliers must be [B, Hkv, n] with a contiguous last dim, got ", i.sizes());
+  st.index = i.data_ptr<int32_t>();
+  st.value = half_ptr(v);
+  st.ib = i.stride(0);
+  st.ih = i.stride(1);
+  st.vb = v.stride(0);
+  st.vh = v.stride(1);
+  st.n_out = i.size(2);
+}
+
+}  // namespace kvq
+
+at::Tensor attend_fp16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& mask, bool causal, double scaling) {
+  using namespace kvq;
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k and v must be [B, Hkv, L, D]");
+  const int64_t Hkv = k.size(1), L = k.size(2);
+  Problem P = problem(q, Hkv, L, mask, causal, scaling);
+  TORCH_CHECK(v.size(2) == L, "k and v must hold the same number of tokens, got ", L, " and ", v.size(2));
+  return fp16_attention(half4(k, "k", P.B, Hkv, P.D), half4(v, "v", P.B, Hkv, P.D), P);
+}
+
+at::Tensor attend_kivi(const at::Tensor& q, const c10::optional<at::Tensor>& k_codes,
+                       const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& k_zero,
+                       const at::Tensor& k_window, const c10::optional<at::Tensor>& v_codes,
+                       const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& v_zero,
+                       const at::Tensor& v_window, int64_t bits, int64_t group_size,
+                       const c10::optional<at::Tensor>& mask, bool causal, double scaling) {
+  using namespace kvq;
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8, got ", bits);
+  TORCH_CHECK(group_size >= 1, "group_size must be >= 1");
+  TORCH_CHECK(k_window.dim() == 4 && v_window.dim() == 4, "windows must be [B, Hkv, W, D]");
+  const int64_t B = q.size(0), Hkv = k_window.size(1), D = q.size(3);
+  const QuantPart kq = quant_part(k_codes, k_scale, k_zero, "k", B, Hkv, D, int(bits), group_size, true);
+  const QuantPart vq = quant_part(v_codes, v_scale, v_zero, "v", B, Hkv, D, int(bits), group_size, false);
+  const int64_t L = kq.n + k_window.size(2);
+  TORCH_CHECK(vq.n + v_window.size(2) == L, "keys cover ", L, " tokens but values ", vq.n + v_window.size(2));
+  Problem P = problem(q, Hkv, L, mask, causal, scaling);
+  const Half4 kw = half4(k_window, "k_window", B, Hkv, D), vw = half4(v_window, "v_window", B, Hkv, D);
+  return kivi_attention(kq, vq, kw, vw, int(group_size), int(bits), P);
+}
+
+using Opt = c10::optional<at::Tensor>;
+
+at::Tensor attend_gear(const at::Tensor& q, const Opt& k_codes, const Opt& k_scale, const Opt& k_zero,
+                       const at::Tensor& k_window, const Opt& k_index, const Opt& k_value,
+                       const std::vector<int64_t>& k_starts, const std::vector<int64_t>& k_lens,
+                       const std::vector<at::Tensor>& k_a, const std::vector<at::Tensor>& k_b, const Opt& v_codes,
+                       const Opt& v_scale, const Opt& v_zero, const at::Tensor& v_window, const Opt& v_index,
+                       const Opt& v_value, const std::vector<int64_t>& v_starts, const std::vector<int64_t>& v_lens,
+                       const std::vector<at::Tensor>& v_a, const std::vector<at::Tensor>& v_b, int64_t bits,
+                       int64_t group_size, const Opt& mask, bool causal, double scaling) {
+  using namespace kvq;
+  TORCH_CHECK(bits == 2 || bits == 4, "gear: bits must be 2 or 4, got ", bits);
+  TORCH_CHECK(group_size >= 1, "group_size must be >= 1");
+  TORCH_CHECK(k_window.dim() == 4 && v_window.dim() == 4, "windows must be [B, Hkv, W, D]");
+  const int64_t B = q.size(0), Hkv = k_window.size(1), D = q.size(3);
+  GearStream k, v;
+  k.q = quant_part(k_codes, k_scale, k_zero, "k", B, Hkv, D, int(bits), group_size, true);
+  v.q = quant_part(v_codes, v_scale, v_zero, "v", B, Hkv, D, int(bits), group_size, false);
+  const int64_t L = k.q.n + k_window.size(2);
+  TORCH_CHECK(v.q.n + v_window.size(2) == L, "keys cover ", L, " tokens but values ", v.q.n + v_window.size(2));
+  Problem P = problem(q, Hkv, L, mask, causal, scaling);
+  k.window = half4(k_window, "k_window", B, Hkv, D);
+  v.window = half4(v_window, "v_window", B, Hkv, D);
+  k.runs = runs(k_starts, k_lens, k_a, k_b, "k", B, Hkv, D, k.q.n);
+  v.runs = runs(v_starts, v_lens, v_a, v_b, "v", B, Hkv, D, v.q.n);
+  outliers(k, k_index, k_value, "k", B, Hkv);
+  outliers(v, v_index, v_value, "v", B, Hkv);
+  return gear_attention(k, v, int(group_size), int(bits), P);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_fp16", &attend_fp16, "fused attention over fp16 K/V");
+  m.def("attend_kivi", &attend_kivi, "fused attention over a KIVI store");
+  m.def("attend_gear", &attend_gear, "fused attention over a GEAR store");
+  m.attr("avx512") = bool(KVQ_AVX512);
+}

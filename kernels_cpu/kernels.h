@@ -1,0 +1,528 @@
+// The attention driver shared by every storage format, and the formats' dequantizing loaders.
+//
+// run_item does blocked online softmax over a range of keys for a tile of query rows that share a
+// KV head. A format only fills small fp32 buffers: keys (or values) of SB consecutive tokens,
+// dequantized in registers from the stored bytes. The buffer is reused by every row of the tile,
+// so GQA heads and query positions pay for one dequantization, and nothing of the history is
+// ever written out. NC (16-lane chunks per head dim) is a template parameter so that a row's
+// query and accumulators live in registers; NR (rows) is a runtime count.
+//
+// Work is split over (batch, KV head, row tile, key chunk); chunks of one head are merged with
+// log-sum-exp, so a decode step over few heads still uses every thread.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "simd.h"
+
+namespace kvq {
+
+constexpr int BT = 64;     // keys per softmax block
+constexpr int SB = 16;     // keys dequantized into the buffer at a time
+constexpr int NRMAX = 16;  // query rows per tile
+constexpr int DMAX = 256;  // largest head dim
+
+inline int nc_for(int d) { return d <= 16 ? 1 : d <= 32 ? 2 : d <= 64 ? 4 : d <= 128 ? 8 : 16; }
+
+struct Rows {  // a tile of query rows (GQA heads x query positions) that read one KV head
+  int n = 0;
+  const float* q[NRMAX];
+  int64_t mask_off[NRMAX];
+  int64_t limit[NRMAX];  // keys at or after this index are masked (causal), else L
+};
+
+struct Mask {
+  const uint8_t* b = nullptr;  // boolean mask: nonzero = attend
+  const float* f = nullptr;    // additive mask
+  int64_t st = 0;              // stride along keys
+};
+
+struct Half4 {  // an fp16 [B, H, T, D] tensor with a contiguous last dim
+  const uint16_t* p = nullptr;
+  int64_t sb = 0, sh = 0, st = 0;
+  const uint16_t* row(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
+};
+
+struct QuantPart {  // one kvquant QuantizedTensor: codes, fp16 scale and zero (absent: n = 0)
+  const uint8_t* codes = nullptr;
+  int64_t cb = 0, ch = 0, ct = 0;
+  const uint16_t *scale = nullptr, *zero = nullptr;
+  int64_t sb = 0, sh = 0, s2 = 0;  // batch, head and dim-2 strides of scale and zero
+  int64_t n = 0;                   // tokens held
+};
+
+struct Problem {
+  int64_t B = 0, Hq = 0, Hkv = 0, Q = 0, L = 0;
+  int D = 0, g = 0;
+  const float* q = nullptr;
+  int64_t qb = 0, qh = 0, qt = 0;
+  Mask mask;
+  int64_t mb = 0, mh = 0, mq = 0;
+  bool has_mask = false, causal = false;
+  float scaling = 1.0f;
+};
+
+// ---------------------------------------------------------------- buffer consumers
+
+// d[r*BT + t] = q_r . buf[t] for the n (<= SB) buffered keys.
+template <int NC>
+inline void dot_rows(const float* buf, int n, const Rows& R, int D, float* d) {
+  for (int r = 0; r < R.n; ++r) {
+    vf q[NC];
+    for (int c = 0; c < NC; ++c) q[c] = load(R.q[r] + c * W, lanes(D - c * W));
+    vf part[SB];
+    for (int t = 0; t < SB; ++t) {
+      if (t >= n) {
+        part[t] = zero();
+        continue;
+      }
+      const float* k = buf + t * NC * W;
+      vf a = mul(q[0], load(k, lanes(W)));
+      vf b = zero();
+      for (int c = 1; c < NC; ++c) {  // two chains: half the FMA latency per token
+        if (c % 2)
+          b = fma(q[c], load(k + c * W, lanes(W)), b);
+        else
+          a = fma(q[c], load(k + c * W, lanes(W)), a);
+      }
+      part[t] = add(a, b);
+    }
+    store(d + r * BT, hsum16(part), lanes(n));
+  }
+}
+
+// acc[r*DMAX + :] += sum_t p[r*BT + t] * buf[t] for the n buffered values.
+template <int NC>
+inline void accumulate_rows(const float* buf, int n, int nr, const float* p, float* acc) {
+  constexpr int SETS = NC >= 8 ? 1 : 2;  // enough independent FMA chains to hide latency
+  for (int r = 0; r < nr; ++r) {
+    vf a[SETS][NC];
+    for (int c = 0; c < NC; ++c) {
+      a[0][c] = load(acc + r * DMAX + c * W, lanes(W));
+      if (SETS > 1) a[SETS - 1][c] = zero();
+    }
+    int t = 0;
+    if constexpr (SETS == 2) {
+      for (; t + 1 < n; t += 2) {
+        const vf p0 = set1(p[r * BT + t]), p1 = set1(p[r * BT + t + 1]);
+        const float* v = buf + t * NC * W;
+        for (int c = 0; c < NC; ++c) {
+          a[0][c] = fma(p0, load(v + c * W, lanes(W)), a[0][c]);
+          a[1][c] = fma(p1, load(v + NC * W + c * W, lanes(W)), a[1][c]);
+        }
+      }
+    }
+    for (; t < n; ++t) {
+      const vf pv = set1(p[r * BT + t]);
+      const float* v = buf + t * NC * W;
+      for (int c = 0; c < NC; ++c) a[0][c] = fma(pv, load(v + c * W, lanes(W)), a[0][c]);
+    }
+    for (int c = 0; c < NC; ++c) {
+      vf x = a[0][c];
+      if (SETS > 1) x = add(x, a[SETS - 1][c]);
+      store(acc + r * DMAX + c * W, x, lanes(W));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- loaders (stored bytes -> buffer)
+
+// Software prefetch of the bytes the loaders will read PF tokens later: the hardware prefetchers
+// lag behind with the several streams (codes, scales, zeros, K and V) a head interleaves.
+constexpr int PF = 128;
+
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);  // into L2: L1 is too small for PF tokens of K and V
+}
+
+// n rows of row_bytes every stride_bytes: one prefetch per cache line (rows are usually contiguous).
+inline void prefetch_rows(const void* p, int64_t stride_bytes, int n, int64_t row_bytes) {
+  if (stride_bytes == row_bytes) return prefetch_span(p, stride_bytes * n);
+  for (int t = 0; t < n; ++t) prefetch_span(static_cast<const char*>(p) + t * stride_bytes, row_bytes);
+}
+
+// fp16 rows: lanes past D are written as zeros, so consumers may read whole chunks.
+template <int NC>
+inline void half_rows(const uint16_t* src, int64_t st, int n, int D, float* buf) {
+  prefetch_rows(src + PF * st, 2 * st, n, 2 * D);
+  for (int t = 0; t < n; ++t) {
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+      const uint16_t* p = src + t * st + c * W;
+      store(buf + t * NC * W + c * W, D - c * W >= W ? load_half_full(p) : load_half(p, lanes(D - c * W)), lanes(W));
+    }
+  }
+}
+
+// Quantized keys (per channel, groups of G tokens): scale/zero [.., T/G, 1, D], codes [.., T, D*BITS/8].
+// zero + code * scale: code * scale is exact in fp32, so this equals kvquant's dequantize bit for bit.
+template <int NC, int BITS>
+struct KeyDequant {
+  vf s[NC], z[NC];
+  int64_t group = -1;
+  void rows(const QuantPart& k, int64_t b, int64_t h, int64_t t0, int n, int D, int G, float* buf) {
+    const uint8_t* codes = k.codes + b * k.cb + h * k.ch + t0 * k.ct;
+    prefetch_rows(codes + PF * k.ct, k.ct, n, D * BITS / 8);
+    if ((t0 + PF) % G < n) {  // a group starts within the prefetched tokens: its scales and zeros
+      const int64_t off = b * k.sb + h * k.sh + (t0 + PF) / G * k.s2;
+      prefetch_span(k.scale + off, 2 * D);
+      prefetch_span(k.zero + off, 2 * D);
+    }
+    vf sc[NC], ze[NC];  // locals, so they stay in registers across the stores to buf
+    for (int c = 0; c < NC; ++c) {
+      sc[c] = s[c];
+      ze[c] = z[c];
+    }
+    for (int t = 0; t < n; ++t) {
+      const int64_t g = (t0 + t) / G;
+      if (g != group) {
+        group = g;
+        const int64_t off = b * k.sb + h * k.sh + g * k.s2;
+        for (int c = 0; c < NC; ++c) {
+          sc[c] = load_half(k.scale + off + c * W, lanes(D - c * W));
+          ze[c] = load_half(k.zero + off + c * W, lanes(D - c * W));
+        }
+      }
+      const uint8_t* row = codes + t * k.ct;
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c)
+        store(buf + t * NC * W + c * W, fma(unpack_codes<BITS>(row + c * 2 * BITS, D - c * W), sc[c], ze[c]), lanes(W));
+    }
+    for (int c = 0; c < NC; ++c) {
+      s[c] = sc[c];
+      z[c] = ze[c];
+    }
+  }
+};
+
+// Quantized values (per token, groups of G channels): scale/zero [.., T, D/G, 1] fp16. Each chunk's
+// lanes take their group's scale by a permutation of the loaded group scales.
+template <int NC, int BITS>
+struct ValueDequant {
+  vi idx[NC];
+  int g0[NC], cnt[NC];
+  bool whole = true;  // all groups of a token fit one vector: load them once per token
+  int ng = 1;         // groups per token
+  void init(int D, int G) {
+    ng = D / G;
+    whole = ng <= W;
+    for (int c = 0; c < NC; ++c) {
+      const int first = std::min(c * W, D - 1), last = std::min(D, c * W + W) - 1;
+      g0[c] = whole ? 0 : first / G;
+      cnt[c] = whole ? ng : last / G - first / G + 1;
+      int ix[W];
+      for (int i = 0; i < W; ++i) ix[i] = std::min(std::min(c * W + i, D - 1) / G - g0[c], cnt[c] - 1);
+      idx[c] = index_vector(ix);
+    }
+  }
+  void rows(const QuantPart& v, int64_t b, int64_t h, int64_t t0, int n, int D, float* buf) const {
+    const uint8_t* codes = v.codes + b * v.cb + h * v.ch + t0 * v.ct;
+    const int64_t off = b * v.sb + h * v.sh + t0 * v.s2;
+    prefetch_rows(codes + PF * v.ct, v.ct, n, D * BITS / 8);
+    prefetch_rows(v.scale + off + PF * v.s2, 2 * v.s2, n, 2 * ng);
+    prefetch_rows(v.zero + off + PF * v.s2, 2 * v.s2, n, 2 * ng);
+    vi ix[NC];  // locals, so they stay in registers across the stores to buf
+    for (int c = 0; c < NC; ++c) ix[c] = idx[c];
+    const mk gm = lanes(ng);
+    for (int t = 0; t < n; ++t) {
+      const uint16_t* sp = v.scale + off + t * v.s2;
+      const uint16_t* zp = v.zero + off + t * v.s2;
+      const uint8_t* row = codes + t * v.ct;
+      if (whole) {
+        const vf sa = load_half(sp, gm), za = load_half(zp, gm);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          // Lanes past D hold the clamped group's zero: finite, and never reach the output.
+          const vf x = fma(unpack_codes<BITS>(row + c * 2 * BITS, D - c * W), permute(ix[c], sa), permute(ix[c], za));
+          store(buf + t * NC * W + c * W, x, lanes(W));
+        }
+      } else {
+        for (int c = 0; c < NC; ++c) {
+          const vf sv = permute(ix[c], load_half(sp + g0[c], lanes(cnt[c])));
+          const vf zv = permute(ix[c], load_half(zp + g0[c], lanes(cnt[c])));
+          store(buf + t * NC * W + c * W, fma(unpack_codes<BITS>(row + c * 2 * BITS, D - c * W), sv, zv), lanes(W));
+        }
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------- formats
+
+// Formats may add terms that are not in the dequantized buffers (GEAR's low-rank correction):
+// key_terms adds to the raw scores of n keys, value_terms to the accumulators. None by default.
+struct NoTerms {
+  template <class S>
+  void key_terms(S&, int64_t, int64_t, int64_t, int, const Rows&, int, float*) const {}
+  template <class S>
+  void value_terms(S&, int64_t, int64_t, int64_t, int, int, int, const float*, float*) const {}
+};
+
+// The fp16 method's store: K and V fp16 [B, Hkv, L, D].
+template <int NC>
+struct Fp16Format : NoTerms {
+  Half4 k, v;
+  struct State {};
+  State state(const Problem&) const { return {}; }
+  void keys(State&, int64_t b, int64_t h, int64_t t0, int n, int D, float* buf) const {
+    half_rows<NC>(k.row(b, h, t0), k.st, n, D, buf);
+  }
+  void values(State&, int64_t b, int64_t h, int64_t t0, int n, int D, float* buf) const {
+    half_rows<NC>(v.row(b, h, t0), v.st, n, D, buf);
+  }
+};
+
+// KIVI: quantized keys [0, kq.n) then the fp16 key window; quantized values [0, vq.n) then theirs.
+template <int NC, int BITS>
+struct KiviFormat : NoTerms {
+  QuantPart kq, vq;
+  Half4 kw, vw;
+  int G;
+  struct State {
+    KeyDequant<NC, BITS> key;
+    ValueDequant<NC, BITS> value;
+  };
+  State state(const Problem& P) const {
+    State s;
+    s.value.init(P.D, G);
+    return s;
+  }
+  void keys(State& s, int64_t b, int64_t h, int64_t t0, int n, int D, float* buf) const {
+    const int q = int(std::clamp<int64_t>(kq.n - t0, 0, n));
+    if (q > 0) s.key.rows(kq, b, h, t0, q, D, G, buf);
+    if (q < n) half_rows<NC>(kw.row(b, h, t0 + q - kq.n), kw.st, n - q, D, buf + q * NC * W);
+  }
+  void values(State& s, int64_t b, int64_t h, int64_t t0, int n, int D, float* buf) const {
+    const int q = int(std::clamp<int64_t>(vq.n - t0, 0, n));
+    if (q > 0) s.value.rows(vq, b, h, t0, q, D, buf);
+    if (q < n) half_rows<NC>(vw.row(b, h, t0 + q - vq.n), vw.st, n - q, D, buf + q * NC * W);
+  }
+};
+
+// ---------------------------------------------------------------- driver
+
+// Online softmax over one block: s (BT entries, -inf past the block's keys) becomes p.
+inline void softmax_block(float* s, float& m, float& l, float* acc, int D) {
+  float bm = NEG_INF;
+  for (int i = 0; i < BT; i += W) bm = std::max(bm, hmax(load(s + i, lanes(W)), lanes(W)));
+  if (bm == NEG_INF) {
+    std::fill(s, s + BT, 0.0f);
+    return;
+  }
+  const float mn = std::max(m, bm);
+  const float alpha = m == NEG_INF ? 0.0f : std::exp(m - mn);
+  vf sum = zero();
+  for (int i = 0; i < BT; i += W) {
+    const vf p = vexp(sub(load(s + i, lanes(W)), set1(mn)));
+    store(s + i, p, lanes(W));
+    sum = add(sum, p);
+  }
+  l = l * alpha + hsum(sum);
+  if (alpha != 1.0f) {
+    for (int c = 0; c < D; c += W) store(acc + c, mul(load(acc + c, lanes(D - c)), set1(alpha)), lanes(D - c));
+  }
+  m = mn;
+}
+
+// Mask and causal limit for one block; false if no row sees any of its keys.
+inline bool mask_block(const Problem& P, const Rows& R, int64_t t0, int n, float* s) {
+  bool any = false;
+  for (int r = 0; r < R.n; ++r) {
+    float* sr = s + r * BT;
+    const int vis = int(std::clamp<int64_t>(R.limit[r] - t0, 0, n));
+    std::fill(sr, sr + vis, 0.0f);
+    std::fill(sr + vis, sr + BT, NEG_INF);
+    if (P.has_mask) {
+      const int64_t base = R.mask_off[r] + t0 * P.mask.st;
+      for (int t = 0; t < vis; ++t) {
+        const int64_t at = base + t * P.mask.st;
+        if (P.mask.b != nullptr)
+          sr[t] = P.mask.b[at] ? 0.0f : NEG_INF;
+        else
+          sr[t] = P.mask.f[at];
+      }
+    }
+    for (int t = 0; t < vis && !any; ++t) any = sr[t] != NEG_INF;
+  }
+  return any;
+}
+
+// Keys [tb, te) for the tile's rows; writes m, l and the unnormalised output of each row to out[r*(D+2)].
+template <int NC, class F>
+void run_item(const F& f, const Problem& P, int64_t b, int64_t h, const Rows& R, int64_t tb, int64_t te, float* out) {
+  alignas(64) float s[NRMAX * BT];
+  alignas(64) float d[NRMAX * BT];
+  alignas(64) float acc[NRMAX * DMAX];
+  alignas(64) float buf[SB * NC * W];
+  float m[NRMAX], l[NRMAX];
+  const int D = P.D;
+  for (int r = 0; r < R.n; ++r) {
+    m[r] = NEG_INF;
+    l[r] = 0.0f;
+    std::fill(acc + r * DMAX, acc + r * DMAX + NC * W, 0.0f);
+  }
+  auto st = f.state(P);
+  for (int64_t t0 = tb; t0 < te; t0 += BT) {
+    const int n = int(std::min<int64_t>(BT, te - t0));
+    if (!mask_block(P, R, t0, n, s)) continue;
+    for (int i = 0; i < n; i += SB) {
+      const int k = std::min(SB, n - i);
+      f.keys(st, b, h, t0 + i, k, D, buf);
+      dot_rows<NC>(buf, k, R, D, d + i);
+      f.key_terms(st, b, h, t0 + i, k, R, D, d + i);
+    }
+    for (int r = 0; r < R.n; ++r)
+      for (int t = 0; t < n; ++t) s[r * BT + t] += P.scaling * d[r * BT + t];
+    for (int r = 0; r < R.n; ++r) softmax_block(s + r * BT, m[r], l[r], acc + r * DMAX, NC * W);
+    for (int i = 0; i < n; i += SB) {
+      const int k = std::min(SB, n - i);
+      f.values(st, b, h, t0 + i, k, D, buf);
+      accumulate_rows<NC>(buf, k, R.n, s + i, acc);
+      f.value_terms(st, b, h, t0 + i, k, R.n, D, s + i, acc);
+    }
+  }
+  for (int r = 0; r < R.n; ++r) {
+    float* o = out + r * (D + 2);
+    o[0] = m[r];
+    o[1] = l[r];
+    std::copy(acc + r * DMAX, acc + r * DMAX + D, o + 2);
+  }
+}
+
+// How a call is cut into work items: (batch, KV head, row tile) x key chunk. Rows of a KV head are
+// numbered j*Q + i (GQA head j of the group, query position i).
+struct Plan {
+  static constexpr int64_t SMALL = 8192;  // keys x (KV head, row tile) pairs below which one thread runs
+  int64_t rows = 0, tiles = 0, items = 0, nchunk = 1, chunk_len = 0, stride = 0;
+  int threads = 1;
+  explicit Plan(const Problem& P) {
+    rows = int64_t(P.g) * P.Q;
+    tiles = (rows + NRMAX - 1) / NRMAX;
+    items = P.B * P.Hkv * tiles;
+    threads = at::get_num_threads();
+    if (items * P.L < SMALL) threads = 1;  // waking threads would cost more than the work
+    if (threads > 1) {  // about 8 pieces per thread to balance, but chunks of at least 4 blocks
+      const int64_t want = (8 * threads + items - 1) / items;
+      nchunk = std::max<int64_t>(1, std::min<int64_t>(want, P.L / (4 * BT)));
+    }
+    chunk_len = ((P.L + nchunk - 1) / nchunk + BT - 1) / BT * BT;
+    nchunk = (P.L + chunk_len - 1) / chunk_len;
+    stride = NRMAX * (P.D + 2);
+  }
+  int tile_rows(int64_t tile, int64_t& r0) const {  // rows split evenly over tiles
+    const int64_t base = rows / tiles, extra = rows % tiles;
+    r0 = tile * base + std::min(tile, extra);
+    return int(base + (tile < extra ? 1 : 0));
+  }
+  // The rows of one item; b, h, r0 (its first row) and the key range [tb, te) of chunk c.
+  Rows item_rows(const Problem& P, int64_t item, int64_t& b, int64_t& h, int64_t& r0) const {
+    const int64_t bh = item / tiles, tile = item % tiles;
+    b = bh / P.Hkv;
+    h = bh % P.Hkv;
+    Rows R;
+    R.n = tile_rows(tile, r0);
+    for (int r = 0; r < R.n; ++r) {
+      const int64_t j = (r0 + r) / P.Q, i = (r0 + r) % P.Q, hq = h * P.g + j;
+      R.q[r] = P.q + b * P.qb + hq * P.qh + i * P.qt;
+      R.mask_off[r] = b * P.mb + hq * P.mh + i * P.mq;
+      R.limit[r] = P.causal ? P.L - P.Q + i + 1 : P.L;
+    }
+    return R;
+  }
+  int64_t chunk_begin(int64_t c) const { return c * chunk_len; }
+};
+
+// Chunk partials (m, l, acc per row) -> normalised rows of out [B, Hq, Q, D].
+inline void merge(const Problem& P, const Plan& plan, const std::vector<float>& part, float* o) {
+  const int D = P.D;
+#pragma omp parallel for schedule(static) num_threads(plan.threads)
+  for (int64_t item = 0; item < plan.items; ++item) {
+    const int64_t bh = item / plan.tiles, tile = item % plan.tiles;
+    const int64_t b = bh / P.Hkv, h = bh % P.Hkv;
+    int64_t r0;
+    const int nr = plan.tile_rows(tile, r0);
+    for (int r = 0; r < nr; ++r) {
+      const int64_t j = (r0 + r) / P.Q, i = (r0 + r) % P.Q, hq = h * P.g + j;
+      float* dst = o + ((b * P.Hq + hq) * P.Q + i) * D;
+      float mx = NEG_INF;
+      for (int64_t c = 0; c < plan.nchunk; ++c)
+        mx = std::max(mx, part[(item * plan.nchunk + c) * plan.stride + r * (D + 2)]);
+      std::fill(dst, dst + D, 0.0f);
+      float denom = 0.0f;
+      if (mx != NEG_INF) {  // else a row that sees no key: zeros
+        for (int64_t c = 0; c < plan.nchunk; ++c) {
+          const float* src = part.data() + (item * plan.nchunk + c) * plan.stride + r * (D + 2);
+          if (src[0] == NEG_INF) continue;
+          const float wgt = std::exp(src[0] - mx);
+          denom += wgt * src[1];
+          for (int x = 0; x < D; ++x) dst[x] += wgt * src[2 + x];
+        }
+        const float inv = 1.0f / denom;
+        for (int x = 0; x < D; ++x) dst[x] *= inv;
+      }
+    }
+  }
+}
+
+template <int NC, class F>
+at::Tensor attend(const F& f, const Problem& P) {
+  const Plan plan(P);
+  std::vector<float> part(size_t(plan.items * plan.nchunk * plan.stride));
+  const int64_t work = plan.items * plan.nchunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(plan.threads)
+  for (int64_t w = 0; w < work; ++w) {
+    const int64_t item = w / plan.nchunk, c = w % plan.nchunk;
+    int64_t b, h, r0;
+    const Rows R = plan.item_rows(P, item, b, h, r0);
+    const int64_t tb = plan.chunk_begin(c), te = std::min(P.L, tb + plan.chunk_len);
+    run_item<NC>(f, P, b, h, R, tb, te, part.data() + w * plan.stride);
+  }
+  auto out = at::empty({P.B, P.Hq, P.Q, int64_t(P.D)}, at::kFloat);
+  merge(P, plan, part, out.data_ptr<float>());
+  return out;
+}
+
+// Calls fn.template operator()<NC>() with NC = nc_for(D).
+template <class Fn>
+at::Tensor dispatch_nc(int D, Fn&& fn) {
+  switch (nc_for(D)) {
+    case 1: return fn.template operator()<1>();
+    case 2: return fn.template operator()<2>();
+    case 4: return fn.template operator()<4>();
+    case 8: return fn.template operator()<8>();
+    default: return fn.template operator()<16>();
+  }
+}
+
+// GEAR's low-rank run (kvquant LowRankRun): segments [start + s*len, start + (s+1)*len) for s < nseg,
+// factors A [B, H, nseg, len, r] and B [B, H, nseg, D, r] fp16, any strides (QR leaves A column-major).
+struct Run {
+  int64_t start = 0, len = 0, nseg = 0;
+  int rank = 0;
+  const uint16_t* a = nullptr;
+  int64_t ab = 0, ah = 0, as = 0, at = 0, aj = 1;
+  const uint16_t* b = nullptr;
+  int64_t bb = 0, bh = 0, bs = 0, bc = 0, bj = 1;
+};
+
+// One of GEAR's K or V streams: base codes, exact outliers (position t*D + c, fp16 value), runs, window.
+struct GearStream {
+  QuantPart q;
+  Half4 window;
+  const int32_t* index = nullptr;
+  const uint16_t* value = nullptr;
+  int64_t ib = 0, ih = 0, vb = 0, vh = 0, n_out = 0;
+  std::vector<Run> runs;
+};
+
+at::Tensor fp16_attention(const Half4& k, const Half4& v, const Problem& P);
+at::Tensor gear_attention(const GearStream& k, const GearStream& v, int G, int bits, const Problem& P);
+at::Tensor kivi_attention(const QuantPart& kq, const QuantPart& vq, const Half4& kw, const Half4& vw, int G, int bits,
+                          const Problem& P);
+
+}  // namespace kvq

@@ -1,0 +1,195 @@
+#!/usr/bin/env python
+"""Attention-only decode step on the CPU: today's torch fp16 path vs the fused C++ kernels (kernels_cpu).
+
+    python scripts/bench_kernels_cpu.py                       # 9q/3kv x 64 and 32q/32kv x 128, 4K..32K, 1 thread
+    python scripts/bench_kernels_cpu.py --threads 2 --contexts 16384 --warm
+
+One query token per sequence (batch 1) over a cache of ``context`` tokens. Columns (milliseconds,
+medians over ``--repeats``; with ``--cold``, the default, a buffer larger than the last-level
+cache is written before each call, as when a model's other layers ran in between):
+
+- ``torch``: what the ``fp16`` method does today, ``k.float()``, ``v.float()`` and SDPA (GQA in SDPA);
+- ``fp16``: ``kernels_cpu.attend_fp16`` on the same fp16 K/V;
+- ``kivi2``/``kivi4``: ``kernels_cpu.attend_kivi`` on a KIVI store (group 32, window 128, the
+  layout ``KiviLayer`` holds after a prefill of ``context`` tokens; codes are random, which timing
+  does not depend on);
+- ``gear2``/``gear4`` (``--gear``): ``kernels_cpu.attend_gear`` on a GEAR store (group 64, window
+  128, 2% outliers at random positions, one rank-4 segment over the quantized prefill);
+- ``x``: time over fused fp16's; ``GB/s``: bytes the kernel reads (every stored byte) over its time;
+  ``%cp``: that over the memcpy bandwidth measured in the same run (bytes read + written per second,
+  as STREAM counts a copy); the header also gives a read-only bandwidth (an fp32 sum).
+
+Needs only torch and a built ``kernels_cpu`` (``python -m kernels_cpu build``). Times on a shared
+machine are noisy: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import kernels_cpu  # noqa: E402
+
+SHAPES = {"9q/3kv x 64": (9, 3, 64), "32q/32kv x 128": (32, 32, 128)}
+GROUP, RESIDUAL = 32, 128
+GEAR_GROUP, GEAR_OUTLIERS, GEAR_RANK = 64, 0.02, 4
+FLUSH_BYTES = 1 << 30
+
+
+def median_ms(fn, repeats: int, flush: torch.Tensor | None) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if flush is not None:
+            flush.add_(1)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def copy_gbps(repeats: int) -> tuple[float, float]:
+    """Memcpy bandwidth (bytes read + written per second, as STREAM counts a copy) and read-only
+    bandwidth (an fp32 sum) at the current thread count, on 256 MiB buffers."""
+    src = torch.ones(1 << 26)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    size = src.numel() * src.element_size()
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    read = min(_timed(src.sum) for _ in range(repeats))
+    return 2 * size / copy / 1e9, size / read / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _half(*shape: int) -> torch.Tensor:
+    return (torch.rand(*shape) * 0.1).half()
+
+
+def _quantized(name: str, hkv: int, n: int, d: int, bits: int, group: int) -> dict:
+    codes = torch.randint(0, 256, (1, hkv, n, d * bits // 8), dtype=torch.uint8)
+    meta = (1, hkv, n // group, 1, d) if name == "k" else (1, hkv, n, d // group, 1)
+    return {f"{name}_codes": codes, f"{name}_scale": _half(*meta), f"{name}_zero": _half(*meta)}
+
+
+def kivi_store(hkv: int, length: int, d: int, bits: int) -> dict:
+    """KIVI's tensors for a ``length``-token prefill: quantized keys in whole blocks of RESIDUAL, the rest fp16."""
+    w_k = (length - 1) % RESIDUAL + 1 if length > RESIDUAL else length
+    w_v = min(length, RESIDUAL)
+    return {
+        **_quantized("k", hkv, length - w_k, d, bits, GROUP),
+        "k_window": torch.randn(1, hkv, w_k, d).half(),
+        **_quantized("v", hkv, length - w_v, d, bits, GROUP),
+        "v_window": torch.randn(1, hkv, w_v, d).half(),
+        "bits": bits,
+        "group_size": GROUP,
+    }
+
+
+def gear_store(hkv: int, length: int, d: int, bits: int) -> dict:
+    """GEAR's tensors (defaults: group 64, 2% outliers, rank 4) after a ``length``-token prefill: one
+    segment of whole RESIDUAL blocks with its outliers (random positions) and one low-rank run."""
+    w = (length - 1) % RESIDUAL + 1 if length > RESIDUAL else length
+    n = length - w
+    store: dict = {"bits": bits, "group_size": GEAR_GROUP}
+    for name in ("k", "v"):
+        store.update(_quantized(name, hkv, n, d, bits, GEAR_GROUP))
+        store[f"{name}_window"] = torch.randn(1, hkv, w, d).half()
+        count = 2 * int(GEAR_OUTLIERS * n * d / 2)
+        store[f"{name}_index"] = torch.randint(0, max(n * d, 1), (1, hkv, count), dtype=torch.int32)
+        store[f"{name}_value"] = torch.randn(1, hkv, count).half()
+        store[f"{name}_runs"] = [(0, n, _half(1, hkv, 1, n, GEAR_RANK), _half(1, hkv, 1, d, GEAR_RANK))] if n else []
+    return store
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def stored_bytes(store: dict) -> int:
+    """Every byte a store holds (and a kernel reads): its tensors and its low-rank runs' factors."""
+    runs = [x for key, value in store.items() if key.endswith("_runs") for _, _, *x in value]
+    return nbytes(store.values()) + sum(nbytes(factors) for factors in runs)
+
+
+def bench_row(
+    hq: int, hkv: int, d: int, length: int, repeats: int, flush: torch.Tensor | None, bw: float, gear: bool
+) -> str:
+    """The table's columns after shape and context, for one shape and context."""
+    q = torch.randn(1, hq, 1, d)
+    k = torch.randn(1, hkv, length, d).half()
+    v = torch.randn(1, hkv, length, d).half()
+
+    def torch_path() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k.float(), v.float(), enable_gqa=True)
+
+    t_torch = median_ms(torch_path, repeats, flush)
+    t_fp16 = median_ms(lambda: kernels_cpu.attend_fp16(q, k, v), repeats, flush)
+    gb = nbytes([k, v]) / t_fp16 / 1e6
+    row = f" {t_torch:>8.2f} {t_torch / t_fp16:>6.2f} {t_fp16:>7.2f} {gb:>6.1f} {100 * gb / bw:>4.0f}"
+    kernels = [(kivi_store, kernels_cpu.attend_kivi)] + ([(gear_store, kernels_cpu.attend_gear)] if gear else [])
+    for make, kernel in kernels:
+        for bits in (2, 4):
+            store = make(hkv, length, d, bits)
+            t = median_ms(lambda store=store, kernel=kernel: kernel(q, **store), repeats, flush)
+            gb = stored_bytes(store) / t / 1e6
+            row += f" {t:>7.2f} {t / t_fp16:>5.2f} {gb:>5.1f} {100 * gb / bw:>4.0f}"
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--contexts", default="4096,8192,16384,32768")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warm", dest="cold", action="store_false", help="do not flush the caches between calls")
+    parser.add_argument("--gear", action="store_true", help="add GEAR-2/4 columns (group 64, 2%% outliers, rank 4)")
+    args = parser.parse_args(argv)
+
+    ok, why = kernels_cpu.status()
+    if not ok:
+        print(f"kernels_cpu unavailable: {why}", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    flush = torch.zeros(FLUSH_BYTES // 4) if args.cold else None
+    bandwidth, read = copy_gbps(args.repeats)
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
+    caches = "cold" if args.cold else "warm"
+    print(f"# {cpu}; {args.threads} thread(s); {caches} caches; memcpy {bandwidth:.1f} GB/s, read {read:.1f} GB/s")
+    print(f"# medians of {args.repeats} (ms); x = time / fused fp16; %cp = read GB/s / copy GB/s; provisional")
+    head = f"{'shape':<15} {'ctx':>6} {'torch':>8} {'x':>6} {'fp16':>7} {'GB/s':>6} {'%cp':>4}"
+    names = ["kivi2", "kivi4"] + (["gear2", "gear4"] if args.gear else [])
+    head += "".join(f" {name:>7} {'x':>5} {'GB/s':>5} {'%cp':>4}" for name in names)
+    print(head)
+    for shape in args.shapes.split(","):
+        hq, hkv, d = SHAPES[shape.strip()]
+        for length in (int(c) for c in args.contexts.split(",")):
+            row = bench_row(hq, hkv, d, length, args.repeats, flush, bandwidth, args.gear)
+            print(f"{shape:<15} {length:>6}{row}", flush=True)
+    return 0
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Every method on seven decoder layouts: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, Gemma-3.
+
+Tiny random models built from configs (no weights): 2 layers, hidden 64, 4 query / 2 KV heads,
+head dim 16. Mistral and Gemma-2/3 have sliding windows shorter than the prompt, Gemma-2 soft-caps
+its logits (eager attention), Gemma-2/3 scale queries by ``query_pre_attn_scalar``. Greedy runs
+are memoised per (layout, method), so each is generated once for all the checks that read it.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+from transformers import DynamicCache
+
+import kernels_cpu
+from kvquant import get_method, method_names
+from kvquant.cache import KVGeometry
+from kvquant.errors import InvalidParameterError
+
+PROMPT, NEW = 150, 4  # the prompt is longer than the windows and than KIVI's fp16 residual
+WINDOW = 32  # Gemma-2/3: within AlignedKV's fp16 tail (64-token blocks), so nothing there is read narrower
+MISTRAL_WINDOW = 100  # every Mistral layer slides: a window that spans a block lets AlignedKV read less
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+GEMMA = dict(sliding_window=WINDOW, query_pre_attn_scalar=24)
+LAYOUTS = {
+    "llama": lambda: T.LlamaConfig(**COMMON),
+    "mistral": lambda: T.MistralConfig(**COMMON, sliding_window=MISTRAL_WINDOW),
+    "qwen2": lambda: T.Qwen2Config(**COMMON),
+    "qwen3": lambda: T.Qwen3Config(**COMMON),
+    "phi3": lambda: T.Phi3Config(**COMMON),
+    "gemma2": lambda: T.Gemma2Config(**COMMON, **GEMMA, attn_logit_softcapping=50.0),
+    "gemma3": lambda: T.Gemma3TextConfig(**COMMON, **GEMMA, layer_types=["sliding_attention", "full_attention"]),
+}
+INF = (float("inf"), float("inf"))
+NEEDS_PREDICTORS = ("aquakv", "aquakv_k_only", "aquakv_v_only")
+LOSSY = ("kivi", "gear", "higgs", "aquakv")  # compress what they store
+READ_LESS = ("alignedkv", "truncation")  # store fp16, read fewer bits
+GEMMA3_ROPE = (
+    "HIGGS/AQUA-KV undo RoPE through the model's rotary module without a layer type; Gemma-3's "
+    "Gemma3RotaryEmbedding.forward needs layer_type (local and global RoPE bases differ per layer)"
+)
+NOT_WINDOWED = (
+    "windowed layers (KIVI/GEAR WindowedLayer, HIGGS/AQUA-KV AquaKVLayer) keep the whole history on "
+    "sliding-window layers: they need is_sliding, get_mask_sizes = KVGeometry.mask_sizes and to drop "
+    "what leaves the window"
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: threads only contend (a busy 2-core machine makes every run 30× slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def tiny(layout: str):
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(LAYOUTS[layout]()).eval()
+
+
+@functools.cache
+def prompt() -> torch.Tensor:
+    return torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def greedy(model, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and the raw logits of every step."""
+    out = model.generate(
+        prompt(),
+        past_key_values=cache,
+        max_new_tokens=NEW,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences, torch.stack(out.logits)
+
+
+@functools.cache
+def reference(layout: str, rounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DynamicCache``'s greedy run; ``rounded``: with K/V rounded to fp16 on their way in."""
+    model = tiny(layout)
+    cache = DynamicCache(config=model.config)
+    if rounded:
+        for layer in cache.layers:
+            stock = layer.update
+            layer.update = lambda k, v, *a, _up=stock, **kw: _up(k.half().float(), v.half().float(), *a, **kw)
+    return greedy(model, cache)
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for AQUA-KV's calibration text (the tiny models have none)."""
+
+    bos_token_id = 2
+
+    def __call__(self, text: str, add_special_tokens: bool = False, **_):
+        return type("Encoding", (), {"input_ids": [3 + ord(c) % 125 for c in text]})()
+
+
+_PREDICTORS = Path(tempfile.mkdtemp(prefix="kvquant-arch-predictors-"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def remove_predictors():
+    yield
+    shutil.rmtree(_PREDICTORS, ignore_errors=True)
+
+
+def method_for(layout: str, name: str, **params):
+    """``name`` with ``params``; AQUA-KV with tiny predictors calibrated here (as ``tests/golden.py``
+    does, on 1 sequence of 64 tokens: the layouts are under test, not the fit)."""
+    if name in NEEDS_PREDICTORS and "predictors" not in params:
+        path = _PREDICTORS / layout / f"{name}.safetensors"
+        if not path.is_file():
+            method = get_method(name)
+            method.calibrate(tiny(layout), CharTokenizer(), n_seqs=1, seq_len=64, progress=False, log=None).save(path)
+        params["predictors"] = str(path)
+    return get_method(name, **params)
+
+
+@functools.cache
+def run(layout: str, name: str, **params):
+    """``(tokens, logits, cache)`` of one greedy run; the model's attention is restored after it."""
+    model = tiny(layout)
+    method = method_for(layout, name, **params)
+    with method.attach(model):
+        cache = method.new_cache(model)
+        tokens, logits = greedy(model, cache)
+    return tokens, logits, cache
+
+
+def family(name: str, families: tuple[str, ...]) -> bool:
+    return any(name.startswith(f) for f in families)
+
+
+def cpu_kernels() -> bool:
+    return bool(kernels_cpu.status()[0])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp16_equals_dynamic_cache(layout):
+    """Same greedy tokens as ``DynamicCache``, logits within fp16 storage's rounding; bit for bit
+    the ``DynamicCache`` run whose K/V were rounded to fp16 (same windows, same masks)."""
+    ref_tokens, ref_logits = reference(layout)
+    tokens, logits, cache = run(layout, "fp16")
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=1e-3)
+    assert torch.equal(logits, reference(layout, rounded=True)[1])
+    geometry = KVGeometry.of(tiny(layout).config)
+    per_token = 2 * 2 * geometry.n_kv_heads * geometry.head_dim  # bytes of one token's K and V
+    for i, layer in enumerate(cache.layers):  # a sliding layer holds its window - 1 tokens, measured
+        held = geometry.sliding_window - 1 if geometry.is_sliding(i) else PROMPT + NEW - 1
+        assert layer.counts().bytes_k + layer.counts().bytes_v == per_token * held
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp16_cpu_kernel_equals_dynamic_cache(layout):
+    if not cpu_kernels():
+        pytest.skip(f"kernels_cpu unavailable: {kernels_cpu.status()[1]}")
+    if layout == "gemma2":  # soft-capped logits: the kernel cannot apply them and says so at build
+        with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model: .*soft-capping"):
+            get_method("fp16", backend="cpu").new_cache(tiny(layout))
+        return
+    ref_tokens, ref_logits = reference(layout)
+    tokens, logits, cache = run(layout, "fp16", backend="cpu")
+    assert cache.backend == "cpu" and torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["alignedkv", "alignedkv_plus"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_alignedkv_at_infinite_thresholds_is_fp16(layout, name):
+    _, fp16_logits, fp16 = run(layout, "fp16")
+    _, logits, cache = run(layout, name, k_thresholds=INF, v_thresholds=INF)
+    assert torch.equal(logits, fp16_logits)
+    # the same elements read (a sliding layer's window only), every one at 16 bits
+    read, read_fp16 = cache.counts(), fp16.counts()
+    assert read.read_k == read_fp16.read_k and read.read_v == read_fp16.read_v
+
+
+def _marks(layout: str, name: str, windowing: bool = False) -> list:
+    if layout == "gemma3" and family(name, ("higgs", "aquakv")):
+        return [pytest.mark.xfail(strict=True, raises=TypeError, reason=GEMMA3_ROPE)]
+    if windowing and family(name, LOSSY):
+        return [pytest.mark.xfail(strict=True, reason=NOT_WINDOWED)]
+    return []
+
+
+@pytest.mark.parametrize(
+    ("layout", "name"), [pytest.param(lay, n, marks=_marks(lay, n)) for lay in LAYOUTS for n in method_names()]
+)
+def test_every_method_runs(layout, name):
+    """``generate`` runs; lossy methods store fewer than 16 bits, AlignedKV/truncation read fewer,
+    and any other method saves on one of the two."""
+    tokens, logits, cache = run(layout, name)
+    assert tokens.shape == (1, PROMPT + NEW) and bool(torch.isfinite(logits).all())
+    stats = cache.stats()
+    if name != "fp16":
+        assert min(stats["bits_stored"], stats["bits_read"]) < 16
+    if family(name, LOSSY):
+        assert stats["bits_stored"] < 16
+    if family(name, READ_LESS):
+        assert stats["bits_read"] < 16
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks("gemma2", n, windowing=True)) for n in method_names()])
+def test_sliding_layers_hold_only_their_window(name):
+    """On Gemma-2 (layer 0 sliding, layer 1 full): a sliding layer reports itself so, hands attention
+    its window (``get_mask_sizes``), and holds at most the window plus one 64-token block; fp16 and
+    truncation hold exactly the ``window − 1`` tokens transformers' sliding layers keep."""
+    _, _, cache = run("gemma2", name)
+    geometry = KVGeometry.of(tiny("gemma2").config)
+    assert cache.is_sliding == [True, False]
+    seen = PROMPT + NEW - 1  # the last token's K/V are never written
+    assert cache.get_seq_length() == seen and cache.layers[1].get_mask_sizes(1) == (seen + 1, 0)
+    assert cache.layers[0].get_mask_sizes(1) == (WINDOW, seen - WINDOW + 1)
+    sliding = cache.layers[0].counts()
+    per_token = 2 * geometry.n_kv_heads * geometry.head_dim  # K and V of one token, in elements
+    assert sliding.bytes_k + sliding.bytes_v <= 2.2 * per_token * (WINDOW + 64)
+    if name in ("fp16", "truncation"):
+        assert sliding.bytes_k + sliding.bytes_v == 2 * per_token * (WINDOW - 1)
+
+
+def test_eager_fallback_soft_caps_and_takes_any_mask():
+    """The generic eager path (modules without their own) is Gemma-2's; bool, additive and absent
+    (plain causal) masks give the same output, cut to the key length."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from kvquant.attention import _generic_eager, eager_attention, stock_attention
+
+    gen = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.head_dim, module.training = 2, 8, False
+    q, k, v = (torch.randn(1, h, 5, 8, generator=gen) * 20 for h in (4, 2, 2))
+    causal = torch.ones(5, 7, dtype=torch.bool).tril()[None, None]  # two columns past the keys
+    additive = torch.where(causal[..., :5], 0.0, torch.finfo(torch.float32).min)
+    kw = {"scaling": 0.3, "softcap": 30.0}
+    want, _ = eager_attention_forward(module, q, k, v, additive, **kw)
+    torch.testing.assert_close(_generic_eager(module, q, k, v, additive, **kw)[0], want)
+    for mask in (causal, causal[..., :5], additive, None):
+        torch.testing.assert_close(stock_attention(module, q, k, v, mask, **kw)[0], want)
+    torch.testing.assert_close(eager_attention(module, q, k, v, None, **kw)[0], want)

@@ -1,0 +1,50 @@
+"""experiments/bench_kv_methods.py (formerly scripts/bench_kv_methods.py) through run.py on stories260k.
+
+A benchmark: this checks its table is complete and self-consistent, never how fast anything is.
+"""
+
+import json
+
+import pytest
+from conftest import run_py
+
+from experiments.figures import check_agrees, read_table
+
+
+def test_every_cache_timed_against_fp16_in_the_same_run(tmp_path):
+    proc = run_py(
+        tmp_path,
+        "model=stories260k",
+        "logger=none",
+        "progress=false",
+        f"results_dir={tmp_path / 'out'}",
+        f"experiment.figures_dir={tmp_path / 'fig'}",
+        "experiment=bench_kv_methods",
+        "experiment.methods=[truncation,nope]",
+        "experiment.contexts=[64,128]",
+        "experiment.new_tokens=4",
+        "experiment.repeats=1",
+        "experiment.profile_steps=8",
+        "experiment.bucket=4",
+        "experiment.threads=1",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = read_table(tmp_path / "fig" / "bench_kv_methods.csv")
+    decode = table[table.part == "decode"]
+    assert list(decode.cache) == ["fp16", "truncation", "hf_dynamic"] * 2 and set(decode.context) == {64, 128}
+    for _, rows in decode.groupby("context"):
+        by = rows.set_index("cache")
+        assert by.ratio_fp16["fp16"] == 1.0 and by.ratio_hf_dynamic["hf_dynamic"] == 1.0
+        for _, row in by.iterrows():
+            assert row.ms_per_step > 0
+            assert row.ratio_fp16 == pytest.approx(row.ms_per_step / by.ms_per_step["fp16"])
+    profile = table[table.part == "profile"]
+    assert list(profile.steps) == ["65-68", "69-72"] * 3 and (profile.context == 64).all()
+    assert (profile[profile.cache == "fp16"].ratio_fp16 == 1.0).all() and (profile.max_ratio_fp16 > 0).all()
+
+    results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
+    check_agrees(table, results["table"], "bench_kv_methods")
+    assert results["experiment"]["threads"] == 1 and "unknown method 'nope'" in results["experiment"]["skipped"]["nope"]
+    assert "| context | cache | ms/step | × fp16 | × hf_dynamic |" in proc.stdout  # printed, not only written
+    assert "| 64 | fp16 |" in proc.stdout and "| – | nope | skipped: unknown method" in proc.stdout
