@@ -72,9 +72,8 @@ def test_cells_reuse_a_sweep_compute_the_rest_and_run_py_agrees(tmp_path, monkey
     assert data["config_hash"] == kivi.config_hash and data["config"]["method"]["group_size"] == 8
     assert {"config", "metrics", "fidelity", "bits", "timing", "env"} <= set(data) and data["timing"]["wall_s"] > 0
     assert data["fidelity"]["kl"] > 0 and 2 < data["metrics"]["ppl"] < 10_000
-    assert (
-        by["gear2"].status == "skipped" and "group_size 64 does not divide the model's head_dim 8" in by["gear2"].reason
-    )
+    gear = json.loads(by["gear2"].path.read_text())  # GEAR's default group of 64 adapted to head_dim 8, and said
+    assert by["gear2"].status == "computed" and gear["method"]["adapted"]["group_size"][1] == 8
     assert (
         by["aquakv"].status == "skipped"
         and "calibrate first: python run.py experiment=calibrate" in by["aquakv"].reason

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvquant.attention import READER_ATTR
 from kvquant.cache import KVGeometry
 
 SHAPES = {  # name: (query heads, KV heads, head_dim)
@@ -46,8 +47,9 @@ def decode_step_time(method, shape: str, context: int, repeats: int = 5, warmup:
         before = _bits(layer.counts())
         start = time.perf_counter()
         keys, values = layer.update(k[:, :, -1:], v[:, :, -1:])
-        if hasattr(layer, "attend"):
-            layer.attend(module, q, None, scaling=scaling)
+        reader = getattr(keys, READER_ATTR, None)  # a layer that reads inside attention
+        if reader is not None:
+            reader.attend(module, q, None, scaling=scaling)
         else:
             sdpa_attention_forward(module, q, keys, values, None, scaling=scaling)
         elapsed = time.perf_counter() - start
