@@ -161,15 +161,6 @@ class KVGeometry:
         """The sliding window of layer ``layer_idx``, or None for a full-attention layer."""
         return self.sliding_window if self.is_sliding(layer_idx) else None
 
-    @staticmethod
-    def mask_sizes(window: int | None, seen: int, query_length: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` of the keys a layer hands attention for ``query_length`` new
-        tokens after ``seen``: all of them, or for a sliding layer the newest ``window − 1`` plus the
-        new ones (``DynamicSlidingWindowLayer.get_mask_sizes``); what a layer's ``get_mask_sizes``
-        returns and its ``update`` must hand over."""
-        if window is None or seen < window:
-            return seen + query_length, 0
-        return window - 1 + query_length, seen - window + 1
 
 
 def to_fp16_checked(x: torch.Tensor, layer_idx: int | None, what: str) -> torch.Tensor:
@@ -220,10 +211,27 @@ class KVLayer(DynamicLayer):
     it is one clear line.
     """
 
-    def __init__(self, layer_idx: int | None = None) -> None:
+    def __init__(self, layer_idx: int | None = None, window: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.window, self.is_sliding = window, window is not None  # ``KVGeometry.window(layer_idx)``
+        self.seen = 0  # tokens received so far; a sliding layer holds fewer
         self._reads = CacheCounts()
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the keys this layer hands attention for ``query_length`` new
+        tokens: all of them, or for a sliding layer the newest ``window − 1`` plus the new ones (as
+        transformers' ``DynamicSlidingWindowLayer``); ``update`` must hand over exactly those."""
+        seen = self.get_seq_length()
+        if self.window is None or seen < self.window:
+            return seen + query_length, 0
+        return self.window - 1 + query_length, seen - self.window + 1
+
+    def get_max_length(self) -> int:
+        return -1 if self.window is None else self.window
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace every batch-first tensor the layer holds by ``fn(tensor)``."""
@@ -288,6 +296,7 @@ class KVLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.seen = 0
         self._reads = CacheCounts()
 
 

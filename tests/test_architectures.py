@@ -59,7 +59,7 @@ GEMMA3_ROPE = (
 )
 NOT_WINDOWED = (
     "windowed layers (KIVI/GEAR WindowedLayer, HIGGS/AQUA-KV AquaKVLayer) keep the whole history on "
-    "sliding-window layers: they need is_sliding, get_mask_sizes = KVGeometry.mask_sizes and to drop "
+    "sliding-window layers: they need to pass the window to KVLayer, count self.seen and drop "
     "what leaves the window"
 )
 

@@ -69,10 +69,8 @@ class AlignedLayer(KVLayer):
         backend: str = "torch",
         window: int | None = None,
     ):
-        super().__init__(layer_idx)
+        super().__init__(layer_idx, window)
         self.method, self.backend = method, backend
-        self.window, self.is_sliding = window, window is not None
-        self.seen = 0  # tokens appended so far; a sliding layer's store holds fewer
         self.visible = 0  # the newest tokens of the store this step's attention sees
         self.store = self.new_store()
         self.kernels = backend == "cupy"
@@ -104,15 +102,6 @@ class AlignedLayer(KVLayer):
         b, h, _, d = self.store.tail_k.shape
         n = b * h * self.store.n_tokens * d
         return n, n
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return KVGeometry.mask_sizes(self.window, self.seen, query_length)
-
-    def get_max_length(self) -> int:
-        return -1 if self.window is None else self.window
 
     @property
     def first_visible(self) -> int:

@@ -55,10 +55,8 @@ class Fp16Layer(KVLayer):
         buffer: ReadBuffer | None = None,
         window: int | None = None,
     ):
-        super().__init__(layer_idx)
+        super().__init__(layer_idx, window)
         self.backend, self.buffer = backend, buffer or ReadBuffer()
-        self.window, self.is_sliding = window, window is not None
-        self.seen = 0
         self._attend_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -108,15 +106,6 @@ class Fp16Layer(KVLayer):
         causal = mask is None and query.shape[2] > 1
         out = get_backend(self.backend).ops.attend_fp16(query, keys, values, mask, scaling, causal)
         return out.transpose(1, 2).contiguous(), None
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return KVGeometry.mask_sizes(self.window, self.seen, query_length)
-
-    def get_max_length(self) -> int:
-        return -1 if self.window is None else self.window
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the newest tokens (assisted decoding): ``-n`` removes ``n``; a positive value is the

@@ -71,15 +71,15 @@ class AquaKVLayer(KVLayer):
 
     is_croppable = False
 
-    def __init__(self, layer_idx: int, quant: Higgs, pred_k: Pred, pred_v: Pred, sink: int, window: int):
+    def __init__(self, layer_idx: int, quant: Higgs, pred_k: Pred, pred_v: Pred, sink: int, recent: int):
         super().__init__(layer_idx)
         self.quant, self.pred_k, self.pred_v = quant, pred_k, pred_v
-        self.sink, self.window = sink, window
+        self.sink, self.recent = sink, recent  # fp16 tokens: first ``sink`` and newest ``recent``
         self.owner: AquaKVCache | None = None
         self._clear()
 
     def _clear(self) -> None:
-        self.k_win, self.v_win = Window(self.window, sink=self.sink), Window(self.window, sink=self.sink)
+        self.k_win, self.v_win = Window(self.recent, sink=self.sink), Window(self.recent, sink=self.sink)
         self.qk: HiggsTensor | None = None
         self.qv: HiggsTensor | None = None
         self.n_quant = self.length = 0
