@@ -146,6 +146,23 @@ def stories():
     return load_model("stories260k", device="cpu")
 
 
+def require_kernels_cpu() -> None:
+    """The C++ kernels, built here if ``make setup`` did not: a failed build fails the test, and only
+    a machine with no C++ compiler at all (where the torch path is the documented fallback) skips."""
+    import shutil
+
+    import kernels_cpu
+
+    ok, why = kernels_cpu.status()
+    if not ok:
+        ok, why = kernels_cpu.build()
+    if ok:
+        return
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip(f"no C++ compiler, so no kernels_cpu (the torch path runs instead): {why}")
+    pytest.fail(f"kernels_cpu did not build although a C++ compiler is present: {why}")
+
+
 @pytest.fixture(scope="session")
 def predictor_root(tmp_path_factory):
     """A folder for AQUA-KV predictors; ``calibrated_for(model, tok)`` fills it once per model, with the

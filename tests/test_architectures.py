@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
+from conftest import require_kernels_cpu
 from transformers import DynamicCache
 
-import kernels_cpu
 from kvquant import get_method, method_names
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
@@ -154,10 +154,6 @@ def family(name: str, families: tuple[str, ...]) -> bool:
     return any(name.startswith(f) for f in families)
 
 
-def cpu_kernels() -> bool:
-    return bool(kernels_cpu.status()[0])
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp16_equals_dynamic_cache(layout):
     """Same greedy tokens as ``DynamicCache``, logits within fp16 storage's rounding; bit for bit
@@ -176,8 +172,7 @@ def test_fp16_equals_dynamic_cache(layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fp16_cpu_kernel_equals_dynamic_cache(layout):
-    if not cpu_kernels():
-        pytest.skip(f"kernels_cpu unavailable: {kernels_cpu.status()[1]}")
+    require_kernels_cpu()
     if layout == "gemma2":  # soft-capped logits: the kernel cannot apply them and says so at build
         with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model: .*soft-capping"):
             get_method("fp16", backend="cpu").new_cache(tiny(layout))

@@ -12,10 +12,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from conftest import require_kernels_cpu
 
 import kernels_cpu
 from kernels_cpu import loader
@@ -27,13 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def built() -> None:
-    ok, why = kernels_cpu.status()
-    if not ok:
-        start = time.perf_counter()
-        ok, why = kernels_cpu.build()
-        print(f"\nkernels_cpu: built in {time.perf_counter() - start:.0f} s: {why}")
-    if not ok:
-        pytest.skip(f"kernels_cpu unavailable: {why}")
+    require_kernels_cpu()
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
