@@ -66,8 +66,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None
         "model": model_info(model, cfg.model.name),
         "method": {
             **method.describe(),
-            **({"backend_used": probe.backend} if getattr(probe, "backend", None) else {}),
-            **({"adapted": method.adaptations(geometry)} if method.adaptations(geometry) else {}),
+            **({"backend_used": probe.backend} if probe.backend else {}),
+            **({"adapted": probe.adaptations} if probe.adaptations else {}),
         },
         "task": {"name": task.name, "n": result.n, **task.params(), **result.info},
         "examples": examples,

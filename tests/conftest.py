@@ -107,7 +107,7 @@ def run_py(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: in
     )
 
 
-def run_experiment(tmp_path: Path, *overrides: str) -> Path:
+def run_experiment(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> Path:
     """``run.py experiment=… model=stories260k`` in a subprocess; returns the figures folder it wrote."""
     proc = run_py(
         tmp_path,
@@ -117,6 +117,7 @@ def run_experiment(tmp_path: Path, *overrides: str) -> Path:
         f"results_dir={tmp_path / 'out'}",
         f"experiment.figures_dir={tmp_path / 'fig'}",
         *overrides,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return tmp_path / "fig"

@@ -4,7 +4,7 @@ import importlib.util
 import json
 
 import pytest
-from conftest import run_py
+from conftest import run_experiment
 
 from experiments.figures import check_agrees, read_table
 from experiments.table_hf_quantized import hf_bits
@@ -20,13 +20,8 @@ def test_hf_bits_formula():
 
 
 def test_kvquant_and_transformers_caches_side_by_side(tmp_path):
-    proc = run_py(
+    fig = run_experiment(
         tmp_path,
-        "model=stories260k",
-        "logger=none",
-        "progress=false",
-        f"results_dir={tmp_path / 'out'}",
-        f"experiment.figures_dir={tmp_path / 'fig'}",
         "experiment=table_hf_quantized",
         "experiment.prompts=2",
         "experiment.prompt_tokens=96",
@@ -35,8 +30,7 @@ def test_kvquant_and_transformers_caches_side_by_side(tmp_path):
         "+experiment.methods={fp16:{},truncation:{keep_bits:7}}",
         env={"OMP_NUM_THREADS": "1"},
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    table = read_table(tmp_path / "fig" / "table_hf_quantized.csv")
+    table = read_table(fig / "table_hf_quantized.csv")
     rows = {r["cache"]: r for r in table.to_dict(orient="records")}
     assert list(rows) == ["hf_quanto2", "hf_quanto4", "hf_fp8", "fp16", "truncation"]
     assert rows["fp16"]["greedy_match"] == 1.0 and rows["fp16"]["bits_stored"] == rows["fp16"]["bits_read"] == 16.0
@@ -47,6 +41,6 @@ def test_kvquant_and_transformers_caches_side_by_side(tmp_path):
         assert "pip install -e '.[compare]'" in rows["hf_quanto2"]["reason"]
     results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
     check_agrees(table, results["table"], "table_hf_quantized")
-    text = (tmp_path / "fig" / "table_hf_quantized.md").read_text()
+    text = (fig / "table_hf_quantized.md").read_text()
     assert "| fp16 | 1.000 | 1.000 | 2/2 | 16.00 | 16.00 |" in text and "| hf_fp8 |" in text
     assert "8.00 (formula)" in text

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,7 +36,6 @@ from kvquant.methods.aquakv.predictors import (
 from kvquant.methods.base import KVMethod, register_method
 from kvquant.quant.grids import PRESETS
 from kvquant.quant.higgs import Higgs
-from kvquant.quant.ridge import DEFAULT_LAMBDA
 
 SINK = 4
 WINDOW = 128
@@ -196,21 +194,12 @@ class AquaKVMethod(HiggsMethod):
             )
         return pred
 
-    def calibrate(
-        self,
-        model: Any,
-        tokenizer: Any,
-        n_seqs: int = 16,
-        seq_len: int = 1024,
-        seed: int = 0,
-        lam: float = DEFAULT_LAMBDA,
-        progress: bool = True,
-        log: Callable[[str], None] | None = print,
-    ) -> Predictors:
-        """Fit this method's predictors on held-out TinyStories text (``calibration.calibrate``)."""
+    def calibrate(self, model: Any, tokenizer: Any, **options: Any) -> Predictors:
+        """Fit this method's predictors on held-out TinyStories text; ``options`` (``n_seqs``,
+        ``seq_len``, ``seed``, ``lam``, ``progress``, ``log``) are ``calibration.calibrate``'s."""
         from kvquant.methods.aquakv.calibration import calibrate
 
-        return calibrate(self, model, tokenizer, n_seqs, seq_len, seed, lam, progress, log)
+        return calibrate(self, model, tokenizer, **options)
 
 
 register_method("higgs", HiggsMethod)
