@@ -13,8 +13,8 @@ FAST = ["model=stories260k", "progress=false", "task.ppl_pieces=5", "task.max_ne
 
 
 # The jobs of the two launchers run on different thread counts (2 vs 1 here), so fp32 sums are
-# reassociated: a perplexity moves by ~1e-6 relative, and KL (a mean of log-probability differences
-# near 1e-5) by ~1e-8 absolute. The bounds are 100x those; counts, bits and bytes must be equal.
+# reassociated: truncation's KL was seen at 1.7301e-05 vs 1.7284e-05 (issue 13, AMD Zen 5), 1.7e-8
+# apart; the KL bound is 50x that, perplexity gets 1e-4 relative; counts, bits and bytes must be equal.
 LAUNCHER_TOLERANCE = {"ppl": {"rel": 1e-4}, "nll": {"rel": 1e-4}, "kl": {"rel": 0, "abs": 1e-6}}
 
 
