@@ -244,6 +244,7 @@ def test_beam_search_with_default_parameters(stories, name):
     beam_search_runs(*stories, get_method(name))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["gear2", "gear_l2"])
 def test_batch_selection_equals_the_cache_of_the_selected_rows(stories, name):
     """Outlier positions count within their own (batch row, head) history: a reorder keeps them valid."""

@@ -368,8 +368,12 @@ def check_selection_equals_rebuild(model, method, prompt: int = 100, decode_step
         assert cache.get_seq_length() == rebuilt.get_seq_length()
         got, want = stored(cache), stored(rebuilt)
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), select
+        # What is stored is equal bit for bit; what an update returns is rebuilt from it by batched
+        # matmuls (GEAR's A·Bᵀ, r ≤ 4 terms), which a BLAS may sum in another order for another batch
+        # shape (seen under MKL_CBWR=COMPATIBLE): equal up to a few fp32 ulps of the values (|x| < 8).
         for (a_k, a_v), (b_k, b_v) in zip(feed(cache, idx, end, end + 1), want_next, strict=True):
-            assert torch.equal(a_k, b_k) and torch.equal(a_v, b_v), select
+            torch.testing.assert_close(a_k, b_k, rtol=0, atol=8 * 8 * 2**-23, msg=select)
+            torch.testing.assert_close(a_v, b_v, rtol=0, atol=8 * 8 * 2**-23, msg=select)
 
 
 @pytest.mark.numerics
@@ -378,6 +382,7 @@ def test_beam_search_with_default_parameters(stories, name):
     beam_search_runs(*stories, get_method(name))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["kivi2", "kivi4"])
 def test_batch_selection_equals_the_cache_of_the_selected_rows(stories, name):
     check_selection_equals_rebuild(stories[0], get_method(name, residual=32))
