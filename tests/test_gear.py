@@ -255,3 +255,23 @@ def test_batch_selection_equals_the_cache_of_the_selected_rows(stories, name):
     cache.update(torch.randn(3, 4, 100, 8), torch.randn(3, 4, 100, 8), 0)
     store = cache.layers[0].k_stream.store
     assert (store.index is not None) == (name == "gear2") and len(store.runs) == 1
+
+
+def test_dropping_whole_segments_keeps_the_rest_exact():
+    """A sliding layer's GEAR store forgets whole segments (codes, outliers, factors together); what
+    stays reads back exactly as the same tokens did before, positions of the outliers shifted."""
+    from kvquant.methods.gear import GearStore
+    from kvquant.methods.window import CHANNEL_AXIS, TOKEN_AXIS
+
+    for axis in (TOKEN_AXIS, CHANNEL_AXIS):
+        store = GearStore(GearMethod(bits=2, group_size=8, residual=16), axis, 8)
+        for i, t in enumerate((48, 16, 16, 16)):
+            store.add(structured(1, 2, t, 16, seed=i), decode=t == 16)
+        before = torch.empty(1, 2, 96, 16)
+        store.read_into(before)
+        assert store.drop(47) == 0 and store.drop(70) == 64  # whole segments only
+        assert store.length == 32 and len(store.runs) == 1 and store.runs[0].start == 0
+        after = torch.empty(1, 2, 32, 16)
+        store.read_into(after)
+        assert torch.equal(after, before[:, :, 64:])
+        assert store.drop(32) == 32 and store.q is None and store.index is None and not store.runs

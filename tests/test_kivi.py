@@ -410,3 +410,25 @@ def test_crop_is_one_clear_line(name):
     with pytest.raises(CropError) as e:
         cache.crop(-3)
     assert "\n" not in str(e.value) and cache.get_seq_length() == 40
+
+
+@pytest.mark.parametrize("chunks", [(150, 1, 1, 1), (40, 40, 40, 30, 1, 1), (20,) * 8])
+def test_a_sliding_layer_returns_the_full_layers_tail_and_holds_only_its_window(chunks):
+    """A sliding KIVI layer (window 32) hands attention the newest ``window − 1`` tokens plus the new
+    ones, bit for bit what a full layer returns there (codes are per group, so compressing the tokens
+    that leave the window apart changes none), and keeps at most ``window − 1`` values and
+    ``window − 1 + group − 1`` keys."""
+    method, window = KiviMethod(bits=2, group_size=8, residual=16), 32
+    full, sliding = KiviLayer(0, method, 8), KiviLayer(0, method, 8, window=window)
+    gen = torch.Generator().manual_seed(0)
+    seen = 0
+    for n in chunks:
+        k, v = torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)
+        length, offset = sliding.get_mask_sizes(n)
+        (fk, fv), (sk, sv) = full.update(k, v), sliding.update(k, v)
+        seen += n
+        assert sk.shape[2] == sv.shape[2] == length and offset == max(0, seen - n - window + 1)
+        assert torch.equal(sk, fk[:, :, offset:]) and torch.equal(sv, fv[:, :, offset:])
+        assert sliding.get_seq_length() == full.get_seq_length() == seen
+        assert sliding.v_stream.length == min(seen, window - 1)
+        assert min(seen, window - 1) <= sliding.k_stream.length <= window - 1 + 8 - 1

@@ -5,7 +5,7 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from kvquant.quant.integer import BITS, cat, dequantize, levels, pack, quantize, unpack
+from kvquant.quant.integer import BITS, cat, dequantize, drop_leading, levels, pack, quantize, unpack
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -171,3 +171,33 @@ def test_bad_input():
         quantize(torch.randn(8), 3, 0, 4)
     with pytest.raises(ValueError, match="fp16 range"):
         quantize(torch.tensor([0.0, 1e6]), 2, 0, 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.sampled_from(BITS),
+    per_channel=st.booleans(),
+    groups=st.integers(1, 5),
+    drop_groups=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_dropping_leading_tokens_keeps_the_rest_bit_for_bit(bits, per_channel, groups, drop_groups, seed):
+    """Keys (grouped along tokens) lose whole groups, values (grouped along channels) any tokens; what
+    stays dequantizes exactly as before and owns its storage."""
+    g, d = 4, 8
+    x = torch.randn(2, 3, groups * g, d, generator=torch.Generator().manual_seed(seed))
+    axis = 2 if per_channel else 3
+    q = quantize(x, bits, axis, g)
+    n = min(drop_groups, groups) * (g if per_channel else 3)
+    n = min(n, x.shape[2])
+    kept = drop_leading(q, 2, n)
+    assert kept.shape == (2, 3, x.shape[2] - n, d)
+    assert torch.equal(dequantize(kept), dequantize(q)[:, :, n:])
+    for t in kept.tensors():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_dropping_part_of_a_group_is_refused():
+    q = quantize(torch.randn(1, 1, 8, 4), 2, 2, 4)
+    with pytest.raises(ValueError, match="whole groups"):
+        drop_leading(q, 2, 3)

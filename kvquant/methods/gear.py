@@ -48,7 +48,7 @@ from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
 from kvquant.methods.base import register_method
 from kvquant.methods.window import CHANNEL_AXIS, TOKEN_AXIS, Stream, WindowedLayer, WindowedMethod
-from kvquant.quant.integer import QuantizedTensor, cat, dequantize, quantize
+from kvquant.quant.integer import QuantizedTensor, cat, dequantize, drop_leading, quantize
 
 INDEX_DTYPE = torch.int32
 SPARSE_BITS = 32 + 16  # int32 position + fp16 value
@@ -97,6 +97,8 @@ class GearStore:
         self.index: torch.Tensor | None = None  # [B, H, n_outliers] int32, token·D + channel
         self.value: torch.Tensor | None = None  # [B, H, n_outliers] fp16
         self.runs: list[LowRankRun] = []
+        self.segments: list[tuple[int, int]] = []  # (tokens, outliers) of each segment, oldest first
+        self.unit = group_size if axis == TOKEN_AXIS else 1  # a key group spans tokens
         self.length = 0
 
     def add(self, x: torch.Tensor, decode: bool) -> None:
@@ -122,7 +124,35 @@ class GearStore:
             a, bf = low_rank(residual, rank, p.loops, p.seed)
             self._append_run(a.half().unsqueeze(2), bf.half().unsqueeze(2), t)
         self.q = q if self.q is None else cat([self.q, q], dim=TOKEN_AXIS)
+        self.segments.append((t, 2 * k))
         self.length += t
+
+    def drop(self, n: int) -> int:
+        """Forget the oldest whole segments within the first ``n`` tokens (factors span a segment)."""
+        m = outliers = s = 0
+        for tokens, k in self.segments:
+            if m + tokens > n:
+                break
+            m, outliers, s = m + tokens, outliers + k, s + 1
+        if not m:
+            return 0
+        self.segments = self.segments[s:]
+        self.length -= m
+        self.q = drop_leading(self.q, TOKEN_AXIS, m) if self.length else None
+        if self.index is not None:
+            d = self.q.shape[-1] if self.q is not None else 0
+            self.index, self.value = self.index[..., outliers:] - m * d, self.value[..., outliers:].clone()
+            if not self.index.shape[-1]:
+                self.index = self.value = None
+        runs = []
+        for run in self.runs:
+            if run.end <= m:
+                continue
+            skip = max(0, m - run.start) // run.seg_len  # segments are whole, so this is exact
+            start = run.start + skip * run.seg_len - m
+            runs.append(LowRankRun(start, run.seg_len, run.a[:, :, skip:].clone(), run.b[:, :, skip:].clone()))
+        self.runs = runs
+        return m
 
     def _append_run(self, a: torch.Tensor, b: torch.Tensor, seg_len: int) -> None:
         last = self.runs[-1] if self.runs else None
@@ -203,7 +233,7 @@ class GearBase(WindowedMethod):
             raise InvalidParameterError(f"{label}: loops (power iterations) must be >= 1, got {self.loops}")
 
     def new_layer(self, layer_idx: int, geometry: KVGeometry) -> GearLayer:
-        return GearLayer(layer_idx, self, self.group_size_for(geometry.head_dim))
+        return GearLayer(layer_idx, self, self.group_size_for(geometry.head_dim), geometry.window(layer_idx))
 
     def analytic_bits(self, geometry: KVGeometry | None = None, context: int | None = None) -> float:
         """Bits per stored element for a ``context``-token prompt written in one update (one prefill

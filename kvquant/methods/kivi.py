@@ -40,7 +40,7 @@ from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
 from kvquant.methods.base import register_method
 from kvquant.methods.window import CHANNEL_AXIS, TOKEN_AXIS, Stream, WindowedLayer, WindowedMethod
-from kvquant.quant.integer import QuantizedTensor, cat, dequantize, quantize
+from kvquant.quant.integer import QuantizedTensor, cat, dequantize, drop_leading, quantize
 
 
 class QuantStore:
@@ -48,6 +48,7 @@ class QuantStore:
 
     def __init__(self, bits: int, axis: int, group_size: int):
         self.bits, self.axis, self.group_size = bits, axis, group_size
+        self.unit = group_size if axis == TOKEN_AXIS else 1  # a key group spans tokens
         self.q: QuantizedTensor | None = None
         self.length = 0
 
@@ -55,6 +56,13 @@ class QuantStore:
         new = quantize(x, self.bits, self.axis, self.group_size)
         self.q = new if self.q is None else cat([self.q, new], dim=TOKEN_AXIS)
         self.length += x.shape[TOKEN_AXIS]
+
+    def drop(self, n: int) -> int:
+        m = min(n, self.length) // self.unit * self.unit
+        if m:
+            self.q = drop_leading(self.q, TOKEN_AXIS, m) if m < self.length else None
+            self.length -= m
+        return m
 
     def read_into(self, out: torch.Tensor) -> None:
         if self.q is not None:
@@ -97,7 +105,7 @@ class KiviMethod(WindowedMethod):
     family = "kivi"
 
     def new_layer(self, layer_idx: int, geometry: KVGeometry) -> KiviLayer:
-        return KiviLayer(layer_idx, self, self.group_size_for(geometry.head_dim))
+        return KiviLayer(layer_idx, self, self.group_size_for(geometry.head_dim), geometry.window(layer_idx))
 
     def analytic_bits(self, geometry: KVGeometry | None = None, context: int | None = None) -> float:
         """Bits per stored element: asymptotically (``context=None``) ``bits + 32/group_size`` (codes plus

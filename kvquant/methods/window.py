@@ -126,6 +126,11 @@ class Window:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.sinks, self.recent) if t is not None]
 
+    def drop(self, n: int) -> None:
+        """Forget the oldest ``n`` recent tokens (a sliding layer's tokens that left its window)."""
+        if n and self.recent is not None:
+            self.recent = self.recent[:, :, n:].clone()
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace each held tensor by ``fn(tensor)`` (all batch-first)."""
         if self.sinks is not None:
@@ -144,11 +149,19 @@ class Window:
 
 
 class Store(Protocol):
-    """The compressed history of one of K or V; tokens arrive in order and are never re-compressed."""
+    """The compressed history of one of K or V; tokens arrive in order and are never re-compressed.
+
+    ``unit``: tokens are added and dropped in multiples of it (a key group spans ``group_size``
+    tokens); ``drop(n)`` forgets the oldest whole units among the first ``n`` tokens and says how
+    many tokens went.
+    """
 
     length: int
+    unit: int
 
     def add(self, x: torch.Tensor, decode: bool) -> None: ...
+
+    def drop(self, n: int) -> int: ...
 
     def read_into(self, out: torch.Tensor) -> None: ...
 
@@ -158,21 +171,48 @@ class Store(Protocol):
 
 
 class Stream:
-    """One of K or V: an fp16 ``Window`` of the newest ``residual`` tokens in front of a ``Store``."""
+    """One of K or V: an fp16 ``Window`` of the newest ``residual`` tokens in front of a ``Store``.
+
+    On a sliding-window layer the oldest tokens are forgotten (``forget``): ``dropped`` counts them,
+    so the store's first token is token ``dropped`` of the sequence.
+    """
 
     def __init__(self, store: Store, residual: int, block: int | None):
         self.store = store
         self.fp16 = Window(residual, block)
+        self.dropped = 0
 
     @property
     def window(self) -> torch.Tensor | None:
         """The fp16 window (``[B, H, w, D]``), None before the first token."""
         return self.fp16.recent
 
-    def extend(self, x: torch.Tensor, decode: bool) -> None:
+    def extend(self, x: torch.Tensor, decode: bool, keep_from: int | None = None) -> None:
+        """Append ``x``; compress what leaves the window. Tokens before ``keep_from`` (which a sliding
+        layer forgets after this step) are compressed apart from the rest, so they can go whole."""
         leaving = self.fp16.push(x)
-        if leaving is not None:
-            self.store.add(leaving, decode)
+        if leaving is None:
+            return
+        n = leaving.shape[TOKEN_AXIS]
+        cut = 0 if keep_from is None else min(n, max(0, keep_from - self.dropped - self.store.length))
+        cut -= cut % self.store.unit
+        if 0 < cut < n:
+            self.store.add(leaving[:, :, :cut], decode)
+            leaving = leaving[:, :, cut:]
+        self.store.add(leaving, decode)
+
+    def forget(self, keep_from: int) -> None:
+        """Drop tokens before position ``keep_from``: whole store units, then (once the store is
+        empty) the oldest window tokens."""
+        n = keep_from - self.dropped
+        if n <= 0:
+            return
+        gone = self.store.drop(n)
+        if gone < n and self.store.length == 0 and self.window is not None:
+            extra = min(n - gone, self.window.shape[TOKEN_AXIS])
+            self.fp16.drop(extra)
+            gone += extra
+        self.dropped += gone
 
     @property
     def length(self) -> int:
@@ -267,13 +307,18 @@ class WindowedLayer(KVLayer):
     """One decoder layer of a windowed method: two ``Stream``s built by ``new_streams``.
 
     ``params`` is the method itself (its parameters, frozen); ``group_size`` the size resolved for
-    the model, or None to resolve it from the head dim of the first update.
+    the model, or None to resolve it from the head dim of the first update. ``window``: a sliding
+    layer's window; such a layer hands attention exactly the tokens ``get_mask_sizes`` promised and
+    then forgets what the next step will not need (whole key groups / GEAR segments; tokens that
+    leave the fp16 window already outside the sliding window are compressed apart, so they go whole).
     """
 
     is_croppable = False
 
-    def __init__(self, layer_idx: int | None, params: WindowedMethod, group_size: int | None = None):
-        super().__init__(layer_idx)
+    def __init__(
+        self, layer_idx: int | None, params: WindowedMethod, group_size: int | None = None, window: int | None = None
+    ):
+        super().__init__(layer_idx, window)
         self.params, self.group_size = params, group_size
         self.k_stream: Stream | None = None
         self.v_stream: Stream | None = None
@@ -292,12 +337,20 @@ class WindowedLayer(KVLayer):
         check_finite(self.params.label, self.layer_idx, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        decode = key_states.shape[TOKEN_AXIS] == 1
-        self.k_stream.extend(key_states, decode)
-        self.v_stream.extend(value_states, decode)
-        out_k, out_v = self.k_stream.read(key_states.dtype), self.v_stream.read(value_states.dtype)
-        self.count_read(self.k_stream.read_counts(), self.v_stream.read_counts(), position=self.get_seq_length())
-        return out_k, out_v
+        n = key_states.shape[TOKEN_AXIS]
+        first = self.get_mask_sizes(n)[1]  # the oldest token attention gets this step
+        self.seen += n
+        keep_from = None if self.window is None else self.seen - self.window + 1  # what the next step needs
+        streams = (self.k_stream, self.v_stream)
+        outs = []
+        for stream, x in zip(streams, (key_states, value_states), strict=True):
+            stream.extend(x, n == 1, keep_from)
+            outs.append(stream.read(x.dtype)[:, :, first - stream.dropped :])
+        self.count_read(self.k_stream.read_counts(), self.v_stream.read_counts(), position=self.seen)
+        if keep_from is not None:
+            for stream in streams:
+                stream.forget(keep_from)
+        return outs[0], outs[1]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.group_size is None:
@@ -307,9 +360,6 @@ class WindowedLayer(KVLayer):
         self.device = key_states.device
         self.k_stream, self.v_stream = self.new_streams()
         self.is_initialized = True
-
-    def get_seq_length(self) -> int:
-        return self.k_stream.length if self.is_initialized else 0
 
     def logical_elements(self) -> tuple[int, int]:
         if not self.is_initialized:

@@ -259,3 +259,30 @@ def cat(parts: list[QuantizedTensor], dim: int) -> QuantizedTensor:
         first.group_size,
         tuple(shape),
     )
+
+
+def drop_leading(q: QuantizedTensor, dim: int, n: int) -> QuantizedTensor:
+    """``q`` without its first ``n`` entries along ``dim`` (not the packed last dim), nothing re-quantized.
+
+    Along the grouped axis only whole groups can go. The result owns its storage (clones, not views
+    of the longer tensors), so bytes measured from it are the bytes held.
+    """
+    ndim = len(q.shape)
+    dim = dim % ndim
+    if dim == ndim - 1:
+        raise ValueError("cannot drop along the packed last dim")
+    if dim == q.axis and n % q.group_size:
+        raise ValueError(f"only whole groups ({q.group_size}) can be dropped along the grouped axis, got {n}")
+    if not 0 <= n <= q.shape[dim]:
+        raise ValueError(f"cannot drop {n} of {q.shape[dim]} entries")
+    meta_dim = dim if dim <= q.axis else dim + 1
+    meta_n = n // q.group_size if dim == q.axis else n
+    shape = list(q.shape)
+    shape[dim] -= n
+    return replace(
+        q,
+        codes=q.codes.narrow(dim, n, q.codes.shape[dim] - n).clone(),
+        scale=q.scale.narrow(meta_dim, meta_n, q.scale.shape[meta_dim] - meta_n).clone(),
+        zero=q.zero.narrow(meta_dim, meta_n, q.zero.shape[meta_dim] - meta_n).clone(),
+        shape=tuple(shape),
+    )
