@@ -61,6 +61,7 @@ def test_presets_and_parameters():
         "rank_decode": 2,
         "loops": 3,
         "seed": 0,
+        "backend": "torch",
     }
     assert get_method("gear4").bits == 4 and get_method("gear_l4").bits == 4
     assert "outlier_ratio" not in get_method("gear_l2").params() and get_method("gear_l2").outlier_ratio == 0.0

@@ -84,9 +84,20 @@ def held(layer: KiviLayer) -> list[torch.Tensor]:
 
 
 def test_presets_are_registry_names_and_record_their_parameters():
-    assert get_method("kivi2").describe() == {"name": "kivi2", "bits": 2, "group_size": None, "residual": 128}
+    assert get_method("kivi2").describe() == {
+        "name": "kivi2",
+        "bits": 2,
+        "group_size": None,
+        "residual": 128,
+        "backend": "torch",
+    }
     assert get_method("kivi4").bits == 4
-    assert get_method("kivi", bits=8, residual=64).params() == {"bits": 8, "group_size": None, "residual": 64}
+    assert get_method("kivi", bits=8, residual=64).params() == {
+        "bits": 8,
+        "group_size": None,
+        "residual": 64,
+        "backend": "torch",
+    }
     assert get_method("kivi4").with_params(bits=8).name == "kivi4"
 
 

@@ -108,3 +108,64 @@ def test_the_adaptation_is_recorded_in_the_cache_not_on_the_method():
 def test_windowed_methods_share_one_parameter_base():
     windowed = [n for n in method_names() if n.startswith(("kivi", "gear"))]
     assert len(windowed) == 9 and all(isinstance(get_method(n), WindowedMethod) for n in windowed)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", ["kivi2", "kivi4", "gear2", "gear_l4"])
+def test_the_cpu_kernels_follow_the_torch_path(stories, name):
+    """``backend=cpu`` attends over the codes as stored: along the torch path's greedy tokens the mean
+    KL between the two is below 1e-6 (measured 3-4e-8; the methods' own KL to fp16 here is 1e-4 to
+    8e-3 — fp32 differences upstream flip the odd code at a rounding boundary, so logits are not
+    equal to fp32 accuracy, the kernels themselves are tested to be in test_kernels_cpu), its own
+    greedy run first differs (if ever) at a near-tie, what is stored and read is the same, and beam
+    search (a reorder every step) runs."""
+    from conftest import require_kernels_cpu
+    from test_kivi import beam_search_runs
+
+    from kvquant.eval.fidelity import first_flip_is_near_tie, greedy_decode, kl_divergence
+
+    require_kernels_cpu()
+    model, tok = stories
+    ids = tok("Once upon a time, a little fox", return_tensors="pt").input_ids[0]
+    runs = {}
+    for backend in ("torch", "cpu"):
+        method = get_method(name, group_size=8, residual=16, backend=backend)
+        with method.attach(model):
+            cache = method.new_cache(model)
+            free = greedy_decode(model, ids, cache, 40)
+            forced_cache = method.new_cache(model)
+            forced = greedy_decode(model, ids, forced_cache, 40, forced=runs["torch"][0].tokens if runs else None)
+            runs[backend] = (free, forced, cache)
+        assert cache.backend == backend and model.config._attn_implementation == "sdpa"
+    (free_t, _, cache_t), (free_c, forced_c, cache_c) = runs["torch"], runs["cpu"]
+    assert kl_divergence(free_t.logprobs, forced_c.logprobs).mean() < 1e-6
+    assert first_flip_is_near_tie(free_t.tokens, free_t.logprobs, free_c.tokens)
+    assert cache_c.stats() == cache_t.stats()
+    with get_method(name, backend="cpu").attach(model) as routed:
+        beam_search_runs(routed, tok, get_method(name, backend="cpu"))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_models_the_kernels_cannot_run_are_refused_or_fall_back(backend, capsys):
+    """Sliding windows and soft-capped logits: ``cpu`` is one line of error, ``auto`` the torch path
+    with one warning line."""
+    from conftest import require_kernels_cpu
+
+    require_kernels_cpu()
+    config = SimpleNamespace(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_size=64,
+        sliding_window=32,
+        model_type="mistral",
+    )
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder=True: config), device="cpu")
+    method = get_method("kivi2", backend=backend)
+    if backend == "cpu":
+        with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model: .*sliding-window"):
+            method.new_cache(model)
+        return
+    assert method.new_cache(model).backend == "torch"
+    assert "uses torch" in capsys.readouterr().err

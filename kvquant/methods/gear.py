@@ -218,6 +218,7 @@ class GearBase(WindowedMethod):
     allowed_bits = (2, 4)
     default_group_size = 64
     family = "gear"
+    kernel_format = "gear"
     outlier_ratio: ClassVar[float] = 0.0
 
     def __post_init__(self) -> None:
@@ -232,8 +233,8 @@ class GearBase(WindowedMethod):
         if self.loops < 1:
             raise InvalidParameterError(f"{label}: loops (power iterations) must be >= 1, got {self.loops}")
 
-    def new_layer(self, layer_idx: int, geometry: KVGeometry) -> GearLayer:
-        return GearLayer(layer_idx, self, self.group_size_for(geometry.head_dim), geometry.window(layer_idx))
+    def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: str = "torch") -> GearLayer:
+        return GearLayer(layer_idx, self, self.group_size_for(geometry.head_dim), geometry.window(layer_idx), backend)
 
     def analytic_bits(self, geometry: KVGeometry | None = None, context: int | None = None) -> float:
         """Bits per stored element for a ``context``-token prompt written in one update (one prefill

@@ -104,8 +104,8 @@ class KiviMethod(WindowedMethod):
     default_group_size = 32
     family = "kivi"
 
-    def new_layer(self, layer_idx: int, geometry: KVGeometry) -> KiviLayer:
-        return KiviLayer(layer_idx, self, self.group_size_for(geometry.head_dim), geometry.window(layer_idx))
+    def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: str = "torch") -> KiviLayer:
+        return KiviLayer(layer_idx, self, self.group_size_for(geometry.head_dim), geometry.window(layer_idx), backend)
 
     def analytic_bits(self, geometry: KVGeometry | None = None, context: int | None = None) -> float:
         """Bits per stored element: asymptotically (``context=None``) ``bits + 32/group_size`` (codes plus

@@ -30,6 +30,9 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from kvquant.attention import NAME as KVQUANT_ATTENTION
+from kvquant.attention import kernel_backend, route_attention, tagged_placeholder
+from kvquant.backends import check_backend, get_backend, select_backend
 from kvquant.cache import KVCache, KVGeometry, KVLayer, nbytes, whole_bit_widths
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.base import KVMethod
@@ -249,15 +252,19 @@ class Stream:
 class WindowedMethod(KVMethod):
     """Parameters KIVI and GEAR share: ``bits``-bit codes in groups of ``group_size``; the newest
     ``residual`` tokens in fp16 (a multiple of the group size). ``group_size`` None: the paper's
-    default adapted to the model (module docstring)."""
+    default adapted to the model (module docstring). ``backend``: ``torch`` (the reference: the
+    history dequantized for the model's attention), ``cpu`` (``kernels_cpu`` attends over the codes
+    as stored) or ``auto``."""
 
     bits: int = 2
     group_size: int | None = None
     residual: int = 128
+    backend: str = "torch"
 
     allowed_bits: ClassVar[tuple[int, ...]] = (2, 4, 8)
     default_group_size: ClassVar[int] = 32
     family: ClassVar[str] = "windowed"
+    kernel_format: ClassVar[str] = "kivi"  # the storage format backends name their kernels by
 
     @property
     def label(self) -> str:
@@ -265,6 +272,7 @@ class WindowedMethod(KVMethod):
         return self.name or self.family
 
     def __post_init__(self) -> None:
+        check_backend(self.backend)
         label = f"method {self.label}"
         if self.bits not in self.allowed_bits:
             allowed = ", ".join(map(str, self.allowed_bits))
@@ -294,12 +302,25 @@ class WindowedMethod(KVMethod):
             return {"group_size": [self.default_group_size, used]}
         return {}
 
+    def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: str = "torch") -> WindowedLayer:
+        raise NotImplementedError
+
     def new_cache(self, model: Any) -> KVCache:
-        """``KVMethod.new_cache`` plus ``cache.adaptations`` (what was fitted to this model)."""
+        """Layers on the backend ``backend`` resolves to, and ``cache.adaptations`` (what was fitted
+        to this model). The kernels read a layer's whole stream and apply no logit soft-capping: a
+        model with either need runs the torch reference (``auto``) or is refused (``cpu``)."""
         geometry = KVGeometry.of(model.config)
         adaptations = self.adaptations(geometry)  # an explicit group size that cannot divide fails here
-        cache = super().new_cache(model)
-        cache.adaptations = adaptations
+        unsupported = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
+        if geometry.sliding_window is not None:
+            unsupported.append(f"sliding-window layers ({geometry.sliding_window})")
+        why = f"the {self.kernel_format} kernels have no {' or '.join(unsupported)}" if unsupported else None
+        resolved = select_backend(self.backend, getattr(model, "device", None), self.kernel_format)
+        backend = kernel_backend(self.backend, resolved, why)
+        if backend != "torch":
+            route_attention(model, KVQUANT_ATTENTION)
+        cache = KVCache([self.new_layer(i, geometry, backend) for i in range(geometry.n_layers)])
+        cache.adaptations, cache.backend = adaptations, backend
         return cache
 
 
@@ -316,10 +337,15 @@ class WindowedLayer(KVLayer):
     is_croppable = False
 
     def __init__(
-        self, layer_idx: int | None, params: WindowedMethod, group_size: int | None = None, window: int | None = None
+        self,
+        layer_idx: int | None,
+        params: WindowedMethod,
+        group_size: int | None = None,
+        window: int | None = None,
+        backend: str = "torch",
     ):
         super().__init__(layer_idx, window)
-        self.params, self.group_size = params, group_size
+        self.params, self.group_size, self.backend = params, group_size, backend
         self.k_stream: Stream | None = None
         self.v_stream: Stream | None = None
 
@@ -338,6 +364,8 @@ class WindowedLayer(KVLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[TOKEN_AXIS]
+        if self.backend != "torch":
+            return self._update_for_kernel(key_states, value_states)
         first = self.get_mask_sizes(n)[1]  # the oldest token attention gets this step
         self.seen += n
         keep_from = None if self.window is None else self.seen - self.window + 1  # what the next step needs
@@ -351,6 +379,32 @@ class WindowedLayer(KVLayer):
             for stream in streams:
                 stream.forget(keep_from)
         return outs[0], outs[1]
+
+    def _update_for_kernel(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Append and compress as the torch path does, then hand attention placeholders that send it
+        to ``attend`` (full-attention layers only: ``new_cache`` refuses sliding ones)."""
+        n = key_states.shape[TOKEN_AXIS]
+        self.seen += n
+        self.k_stream.extend(key_states, n == 1)
+        self.v_stream.extend(value_states, n == 1)
+        self.count_read(self.k_stream.read_counts(), self.v_stream.read_counts(), position=self.seen)
+        b, h, _, d = key_states.shape
+        shape = (b, h, self.k_stream.length, d)
+        return (
+            tagged_placeholder(self, shape, key_states.dtype, key_states.device),
+            tagged_placeholder(self, shape, value_states.dtype, value_states.device),
+        )
+
+    def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
+        """Attention over the stored codes and windows by the backend's kernel (``kvquant.attention``)."""
+        ops = get_backend(self.backend).ops
+        fmt = self.params.kernel_format
+        n = self.k_stream.length
+        mask = attention_mask[..., :n] if attention_mask is not None else None
+        causal = mask is None and query.shape[2] > 1
+        stored = getattr(ops, f"{fmt}_tensors")(self)
+        out = getattr(ops, f"attend_{fmt}")(query, **stored, mask=mask, scaling=scaling, causal=causal)
+        return out.transpose(1, 2).contiguous(), None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.group_size is None:
