@@ -11,7 +11,9 @@ A second part checks that a decode step does not re-quantize the cache: from the
 feeds ``profile_steps`` single-token K/V into all layers (cache work only, no model) and reports, per
 bucket of steps, the median and max step time as ratios to fp16's. A flat median ratio means per-step
 work grows only like fp16's own read of the history; the max shows the periodic block flushes.
-(Formerly ``scripts/bench_kv_methods.py``.) ``render`` writes ``bench_kv_methods.md`` from the CSV.
+A method entry ``name@backend`` (``kivi2@cpu``) times that method on that backend; the baseline is
+kvquant's fp16 cache on the torch path. (Formerly ``scripts/bench_kv_methods.py``.) ``render``
+writes ``bench_kv_methods.md`` from the CSV.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def context_ids(tokenizer, n: int) -> torch.Tensor:
     if len(ids) < n:
         raise InvalidParameterError(f"not enough bundled text for a {n}-token context")
     return torch.tensor(ids[:n])
+
+
+def method_spec(entry: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name@backend`` (e.g. ``kivi2@cpu``: the C++ kernels) → (label, build spec)."""
+    name, _, backend = entry.partition("@")
+    return entry, {"name": name, **({"backend": backend} if backend else {})}
 
 
 def filled_cache(make: Callable[[], Any], kv: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -156,7 +164,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if exp.threads:
         torch.set_num_threads(int(exp.threads))
     model, tokenizer, device = load(cfg)
-    built, skipped = build_methods({BASELINE: {}, **{str(m): {} for m in exp.methods if m != BASELINE}})
+    built, skipped = build_methods({BASELINE: {}, **dict(method_spec(str(m)) for m in exp.methods if m != BASELINE)})
     for name, method in list(built.items()):
         try:
             method.new_cache(model)  # model-dependent refusals (predictors, group sizes) before any timing

@@ -20,7 +20,7 @@ def test_every_cache_timed_against_fp16_in_the_same_run(tmp_path):
         f"results_dir={tmp_path / 'out'}",
         f"experiment.figures_dir={tmp_path / 'fig'}",
         "experiment=bench_kv_methods",
-        "experiment.methods=[truncation,nope]",
+        "experiment.methods=[truncation,kivi2@torch,nope]",
         "experiment.contexts=[64,128]",
         "experiment.new_tokens=4",
         "experiment.repeats=1",
@@ -32,7 +32,7 @@ def test_every_cache_timed_against_fp16_in_the_same_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = read_table(tmp_path / "fig" / "bench_kv_methods.csv")
     decode = table[table.part == "decode"]
-    assert list(decode.cache) == ["fp16", "truncation", "hf_dynamic"] * 2 and set(decode.context) == {64, 128}
+    assert list(decode.cache) == ["fp16", "truncation", "kivi2@torch", "hf_dynamic"] * 2 and set(decode.context) == {64, 128}
     for _, rows in decode.groupby("context"):
         by = rows.set_index("cache")
         assert by.ratio_fp16["fp16"] == 1.0 and by.ratio_hf_dynamic["hf_dynamic"] == 1.0
@@ -40,7 +40,7 @@ def test_every_cache_timed_against_fp16_in_the_same_run(tmp_path):
             assert row.ms_per_step > 0
             assert row.ratio_fp16 == pytest.approx(row.ms_per_step / by.ms_per_step["fp16"])
     profile = table[table.part == "profile"]
-    assert list(profile.steps) == ["65-68", "69-72"] * 3 and (profile.context == 64).all()
+    assert list(profile.steps) == ["65-68", "69-72"] * 4 and (profile.context == 64).all()
     assert (profile[profile.cache == "fp16"].ratio_fp16 == 1.0).all() and (profile.max_ratio_fp16 > 0).all()
 
     results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
