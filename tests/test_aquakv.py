@@ -329,3 +329,81 @@ def test_crop_is_one_line(stories):
     with pytest.raises(CropError) as e:
         cache.crop(-5)
     assert "\n" not in str(e.value)
+
+
+def spec_horizons(windows: list[int | None], predicts: list[bool]) -> list[int | None]:
+    """The code horizon the cache docstring states: a sliding layer's window, widened to the next
+    layer's horizon when that layer predicts from it (None: unbounded)."""
+    out: list[int | None] = [None] * len(windows)
+    for i in reversed(range(len(windows))):
+        out[i] = windows[i]
+        if windows[i] is not None and i + 1 < len(windows) and predicts[i + 1]:
+            out[i] = None if out[i + 1] is None else max(windows[i], out[i + 1])
+    return out
+
+
+@pytest.mark.parametrize("chunks", [(150, 1, 1, 1), (40, 40, 40, 30, 1, 1), (7,) * 22])
+@pytest.mark.parametrize(
+    ("windows", "predicts"),
+    [
+        ((12, None), (False, True)),  # Gemma-2/3: sliding layer 0 feeds a full layer's predictor
+        ((12, 30, None), (False, True, True)),  # a sliding layer with a predictor feeds a full layer
+        ((30, 12, 12), (False, True, True)),  # every layer slides (Mistral), windows within the fp16 span
+        ((12, 30), (False, False)),  # HIGGS: no predictors
+    ],
+)
+def test_sliding_layers_return_the_full_layers_tail_and_hold_what_the_rule_says(windows, predicts, chunks):
+    """Random K/V and predictors, ``recent`` 16 fp16 tokens, 4 sinks: each sliding layer hands attention
+    exactly what ``get_mask_sizes`` promised, bit for bit the tail of what the same layer of an
+    all-full cache hands (same codes, same predictor inputs), and then holds per the docstring:
+    sinks within its window; codes from its code horizon on; fp16 from its window (a layer without
+    predictors, which codes as tokens leave it) or its code horizon on, the newest 16 at most; positions
+    of every token some layer holds."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvquant.methods.aquakv import AquaKVCache, AquaKVLayer
+    from kvquant.quant.higgs import Higgs
+
+    sink, recent, heads, dim = 4, 16, 2, 8
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=16, num_attention_heads=2, head_dim=dim))
+    gen = torch.Generator().manual_seed(0)
+    quant, c = Higgs(heads * dim, 2), heads * dim
+
+    def linear(n_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n_in, c, generator=gen) / 4, torch.randn(c, generator=gen)
+
+    preds = [(linear(c), linear(2 * c)) if p else (None, None) for p in predicts]
+
+    def cache(wins):
+        return AquaKVCache(
+            [AquaKVLayer(i, quant, *preds[i], sink, recent, w) for i, w in enumerate(wins)], rotary, None
+        )
+
+    full, sliding = cache([None] * len(windows)), cache(list(windows))
+    horizons = spec_horizons(list(windows), list(predicts))
+    assert [layer.horizon for layer in sliding.layers] == horizons
+    kv = [
+        (torch.randn(1, heads, sum(chunks), dim, generator=gen), torch.randn(1, heads, sum(chunks), dim, generator=gen))
+        for _ in windows
+    ]
+    seen = 0
+    for n in chunks:
+        for i, (k, v) in enumerate(kv):
+            length, offset = sliding.layers[i].get_mask_sizes(n)
+            new_k, new_v = k[:, :, seen : seen + n], v[:, :, seen : seen + n]
+            (fk, fv), (sk, sv) = full.update(new_k, new_v, i), sliding.update(new_k, new_v, i)
+            assert sk.shape[2] == sv.shape[2] == length
+            assert torch.equal(sk, fk[:, :, offset:]) and torch.equal(sv, fv[:, :, offset:]), (i, seen)
+        seen += n
+        for layer, w, h in zip(sliding.layers, windows, horizons, strict=True):
+            if w is None:
+                continue
+            lo, floor = seen - w + 1, 0 if h is None else seen - h + 1
+            early = not predicts[layer.layer_idx] and h != w
+            fp16_from = max(sink, seen - recent, lo if early else floor)
+            assert layer.n_sinks == max(0, min(seen, sink) - max(0, lo))
+            assert layer.n_recent == max(0, seen - fp16_from)
+            assert layer.n_codes == max(0, fp16_from - max(sink, floor))
+            assert layer.get_seq_length() == seen
+        assert sliding.positions.shape[1] == seen - min(layer.first_held() for layer in sliding.layers)

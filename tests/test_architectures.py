@@ -22,10 +22,11 @@ from transformers import DynamicCache
 from kvquant import get_method, method_names
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
+from kvquant.methods.aquakv import SINK
 
 PROMPT, NEW = 150, 4  # the prompt is longer than the windows and than KIVI's fp16 residual
 WINDOW = 32  # Gemma-2/3: within AlignedKV's fp16 tail (64-token blocks), so nothing there is read narrower
-MISTRAL_WINDOW = 100  # every Mistral layer slides: a window that spans a block lets AlignedKV read less
+MISTRAL_WINDOW = 140  # every layer slides, past lossy methods' 128 fp16 tokens; AlignedKV reads less
 COMMON = dict(
     vocab_size=128,
     hidden_size=64,
@@ -53,15 +54,6 @@ INF = (float("inf"), float("inf"))
 NEEDS_PREDICTORS = ("aquakv", "aquakv_k_only", "aquakv_v_only")
 LOSSY = ("kivi", "gear", "higgs", "aquakv")  # compress what they store
 READ_LESS = ("alignedkv", "truncation")  # store fp16, read fewer bits
-GEMMA3_ROPE = (
-    "HIGGS/AQUA-KV undo RoPE through the model's rotary module without a layer type; Gemma-3's "
-    "Gemma3RotaryEmbedding.forward needs layer_type (local and global RoPE bases differ per layer)"
-)
-NOT_WINDOWED = (
-    "windowed layers (KIVI/GEAR WindowedLayer, HIGGS/AQUA-KV AquaKVLayer) keep the whole history on "
-    "sliding-window layers: they need to pass the window to KVLayer, count self.seen and drop "
-    "what leaves the window"
-)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -194,17 +186,7 @@ def test_alignedkv_at_infinite_thresholds_is_fp16(layout, name):
     assert read.read_k == read_fp16.read_k and read.read_v == read_fp16.read_v
 
 
-def _marks(layout: str, name: str, windowing: bool = False) -> list:
-    if layout == "gemma3" and family(name, ("higgs", "aquakv")):
-        return [pytest.mark.xfail(strict=True, raises=TypeError, reason=GEMMA3_ROPE)]
-    if windowing and family(name, LOSSY):
-        return [pytest.mark.xfail(strict=True, reason=NOT_WINDOWED)]
-    return []
-
-
-@pytest.mark.parametrize(
-    ("layout", "name"), [pytest.param(lay, n, marks=_marks(lay, n)) for lay in LAYOUTS for n in method_names()]
-)
+@pytest.mark.parametrize(("layout", "name"), [(lay, n) for lay in LAYOUTS for n in method_names()])
 def test_every_method_runs(layout, name):
     """``generate`` runs; lossy methods store fewer than 16 bits, AlignedKV/truncation read fewer,
     and any other method saves on one of the two."""
@@ -219,11 +201,14 @@ def test_every_method_runs(layout, name):
         assert stats["bits_read"] < 16
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks("gemma2", n, windowing=True)) for n in method_names()])
+@pytest.mark.parametrize("name", method_names())
 def test_sliding_layers_hold_only_their_window(name):
     """On Gemma-2 (layer 0 sliding, layer 1 full): a sliding layer reports itself so, hands attention
     its window (``get_mask_sizes``), and holds at most the window plus one 64-token block; fp16 and
-    truncation hold exactly the ``window − 1`` tokens transformers' sliding layers keep."""
+    truncation hold exactly the ``window − 1`` tokens transformers' sliding layers keep. HIGGS/AQUA-KV
+    (``aquakv/cache.py``): no sinks, the window's ``window − 1`` tokens in fp16, and codes of none
+    (HIGGS) or, for AQUA-KV, of every older non-sink token, which layer 1's predictor reads; layer 0
+    also holds the positions of every token, which the full layer 1 still needs."""
     _, _, cache = run("gemma2", name)
     geometry = KVGeometry.of(tiny("gemma2").config)
     assert cache.is_sliding == [True, False]
@@ -235,6 +220,51 @@ def test_sliding_layers_hold_only_their_window(name):
     assert sliding.bytes_k + sliding.bytes_v <= 2.2 * per_token * (WINDOW + 64)
     if name in ("fp16", "truncation"):
         assert sliding.bytes_k + sliding.bytes_v == 2 * per_token * (WINDOW - 1)
+    if family(name, ("higgs", "aquakv")):
+        layer = cache.layers[0]
+        coded = seen - (WINDOW - 1) - SINK if name in NEEDS_PREDICTORS else 0
+        assert (layer.n_sinks, layer.n_recent, layer.n_codes) == (0, WINDOW - 1, coded)
+        code_bytes = coded * per_token * layer.quant.bits_per_value() / 8  # codes and scales, K and V
+        assert sliding.bytes_k + sliding.bytes_v == 2 * per_token * (WINDOW - 1) + code_bytes + 4 * seen
+
+
+def test_gemma3_keys_are_unrotated_with_each_layers_rope():
+    """Gemma-3 rotates sliding layers with the local base and full ones with the global: the cache's
+    tables and calibration's collected keys undo, per layer, exactly the rotation its attention
+    applied (the pre-RoPE keys are ``k_norm``'s output)."""
+    from kvquant.methods.aquakv.calibration import collect_kv
+    from kvquant.methods.aquakv.predictors import to_rows
+    from kvquant.quant.rope import undo_rope
+
+    model = tiny("gemma3")
+    pre: dict[int, torch.Tensor] = {}
+    post: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.self_attn.k_norm.register_forward_hook(lambda _m, _i, out, i=i: pre.__setitem__(i, out.detach()))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    try:
+        cache = method_for("gemma3", "higgs").new_cache(model)
+        for layer in cache.layers:
+            stock = layer.update
+
+            def keep(k, v, *args, _i=layer.layer_idx, _up=stock, **kwargs):
+                post[_i] = k
+                return _up(k, v, *args, **kwargs)
+
+            layer.update = keep
+        with torch.no_grad():
+            model(prompt(), past_key_values=cache, use_cache=True)
+        tables = [cache.tables(i, 0, PROMPT) for i in range(2)]
+        assert not torch.allclose(tables[0][0], tables[1][0])  # local and global bases differ
+        for i, (cos, sin) in enumerate(tables):
+            torch.testing.assert_close(undo_rope(post[i], cos, sin), pre[i], atol=1e-5, rtol=1e-5)
+        keys, _ = collect_kv(model, [prompt()[0]], SINK)  # a plain forward: layer 1 sees other inputs
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for i in range(2):
+        torch.testing.assert_close(keys[i].float(), to_rows(pre[i])[0, SINK:].half().float(), atol=2e-3, rtol=1e-3)
 
 
 def test_eager_fallback_soft_caps_and_takes_any_mask():

@@ -1,38 +1,56 @@
 """AQUA-KV's layers and the cache that links them: fp16 sinks and window around HIGGS codes of the
 residual a cross-layer predictor leaves.
 
-Each layer holds two ``Window``s (K, V; the first ``sink`` tokens and the newest ``window`` stay fp16
+Each layer holds two ``Window``s (K, V; the first ``sink`` tokens and the newest ``recent`` stay fp16
 exactly as the model produced them, after RoPE) and the HIGGS codes and scales of the tokens that
 left the window. Layer ``l``'s codes are of ``x − pred(layer l − 1's reconstruction)``, so the cache
 keeps what the layers share, per batch row: the token positions (to undo and redo RoPE; held — and
-counted — by layer 0), the previous layer's reconstruction handed on within a forward, and the
-forward's cos/sin of the quantized tokens. Layer 0's ``map_tensors`` maps that shared state too, so
-beam search, batch selection and offloading move every batch-first tensor together.
+counted — by layer 0, for every token some layer still holds), the previous layer's reconstruction
+handed on within a forward (with the position of its first row), and the forward's cos/sin of the
+quantized tokens. Layer 0's ``map_tensors`` maps that shared state too, so beam search, batch
+selection and offloading move every batch-first tensor together.
 
 RoPE. Predictors work on pre-RoPE keys, but a Llama attention hands the cache rotated ones. The
 cache undoes the rotation with cos/sin it computes from the model's own rotary-embedding module at
 the token positions — ``position_ids`` when transformers passes them (5.24: ``kwargs=``), the
 ``cache_position`` of 5.17's positional ``cache_kwargs``, else its own running count — and checks
-once against the ``cos``/``sin`` that 5.17 hands over. No modeling file is forked.
+once against the ``cos``/``sin`` that 5.17 hands over. A module with a table per layer type
+(Gemma-3's local and global bases) is asked for each layer's own type (``rope_layer_types``). No
+modeling file is forked.
 
-Reads: each forward reads every quantized token's codes and scales and the fp16 sinks/window
-(``Window.read_widths``). Predictor weights and positions are not counted as reads.
+Sliding-window layers (``window``: ``KVGeometry.window``) hand attention exactly what
+``get_mask_sizes`` promised (the newest ``window − 1`` tokens before the update and the new ones),
+then forget what no later step needs (``sliding.forget``). Every layer codes a token when it leaves
+the newest ``recent``, so the layers' codes line up. Layer ``l + 1``'s predictor reads layer ``l``'s
+reconstruction of every token ``l + 1`` holds codes for, at every step, so when ``l + 1`` predicts
+from a sliding layer ``l``, ``l`` keeps codes for its window *and* for those tokens: its code horizon
+is ``max(window_l, horizon_{l+1})``, unbounded when ``l + 1`` is a full layer (else its window).
+Sinks leave with the window (no predictor reads them). Tokens a layer must keep codes for but has
+not coded yet stay fp16 until coded on schedule, since coding them needs layer ``l − 1``'s codes of
+them — except on a layer without predictors (HIGGS, AQUA-KV's layer 0), whose codes of a token
+depend on that token alone: it codes tokens as they leave its window, so its fp16 part is just the
+window. A HIGGS sliding layer thus holds only its window; on Gemma-2/3, AQUA-KV's sliding layer 0
+holds its window in fp16 and codes of every older non-sink token, which the full layer 1 reads.
+
+Reads: each forward reads every code row a layer holds (its attention's and the next predictor's
+input) and the fp16 tokens handed to attention. Predictor weights and positions are not reads.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from kvquant.cache import KVCache, KVLayer, nbytes, to_fp16_checked
+from kvquant.cache import KVCache, KVLayer, nbytes, to_fp16_checked, whole_bit_widths
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.aquakv.predictors import Predictors, dequantize_pair, encode_pair, from_rows, to_rows
+from kvquant.methods.aquakv.sliding import Rows, forget, rows_between, tail
 from kvquant.methods.window import Window
 from kvquant.quant.higgs import Higgs, HiggsTensor, cat_rows
-from kvquant.quant.rope import apply_rope, rope_tables, undo_rope
+from kvquant.quant.rope import apply_rope, rope_layer_types, rope_tables, undo_rope
 
 Pred = tuple[torch.Tensor, torch.Tensor] | None
 
@@ -67,14 +85,29 @@ def map_higgs(q: HiggsTensor | None, fn: Callable[[torch.Tensor], torch.Tensor])
 
 
 class AquaKVLayer(KVLayer):
-    """One layer: fp16 sinks and window (post-RoPE, as given) around HIGGS codes of the predictor residual."""
+    """One layer: fp16 sinks and window (post-RoPE, as given) around HIGGS codes of the predictor residual.
+
+    Positions held: sinks ``[sink_lo, sink)``, codes ``[code_lo, code_lo + n_codes)``, fp16 window
+    the newest ``n_recent`` of ``seen``. ``horizon`` (set by the cache): codes are kept for the newest
+    ``horizon − 1`` tokens, None for all; ``early``: code tokens as they leave a sliding window.
+    """
 
     is_croppable = False
 
-    def __init__(self, layer_idx: int, quant: Higgs, pred_k: Pred, pred_v: Pred, sink: int, recent: int):
-        super().__init__(layer_idx)
+    def __init__(
+        self,
+        layer_idx: int,
+        quant: Higgs,
+        pred_k: Pred,
+        pred_v: Pred,
+        sink: int,
+        recent: int,
+        window: int | None = None,
+    ):
+        super().__init__(layer_idx, window)
         self.quant, self.pred_k, self.pred_v = quant, pred_k, pred_v
         self.sink, self.recent = sink, recent  # fp16 tokens: first ``sink`` and newest ``recent``
+        self.horizon, self.early = window, False
         self.owner: AquaKVCache | None = None
         self._clear()
 
@@ -82,7 +115,7 @@ class AquaKVLayer(KVLayer):
         self.k_win, self.v_win = Window(self.recent, sink=self.sink), Window(self.recent, sink=self.sink)
         self.qk: HiggsTensor | None = None
         self.qv: HiggsTensor | None = None
-        self.n_quant = self.length = 0
+        self.n_quant = self.code_lo = self.sink_lo = 0  # tokens coded so far; first code / sink position held
         self.n_heads = self.head_dim = 0
 
     def reset(self) -> None:
@@ -96,13 +129,32 @@ class AquaKVLayer(KVLayer):
         _, self.n_heads, _, self.head_dim = key_states.shape
         self.is_initialized = True
 
-    def get_seq_length(self) -> int:
-        return self.length
+    @property
+    def n_codes(self) -> int:
+        return 0 if self.qk is None else len(self.qk)
+
+    @property
+    def n_sinks(self) -> int:
+        return 0 if self.k_win.sinks is None else self.k_win.sinks.shape[-2]
+
+    @property
+    def n_recent(self) -> int:
+        return 0 if self.k_win.recent is None else self.k_win.recent.shape[-2]
+
+    def held_tokens(self) -> int:
+        return self.n_sinks + self.n_codes + self.n_recent
+
+    def first_held(self) -> int:
+        """The oldest position the layer holds in any form (``seen`` when it holds none)."""
+        if not self.is_initialized:
+            return 0
+        codes = self.code_lo if self.qk is not None else self.seen
+        return min(self.seen - self.n_recent, codes, self.sink_lo if self.n_sinks else self.seen)
 
     def logical_elements(self) -> tuple[int, int]:
         if not self.is_initialized:
             return 0, 0
-        n = self.k_win.recent.shape[0] * self.n_heads * self.length * self.head_dim
+        n = self.k_win.recent.shape[0] * self.n_heads * self.held_tokens() * self.head_dim
         return n, n
 
     def stored_k(self) -> list[torch.Tensor | None]:
@@ -133,89 +185,129 @@ class AquaKVLayer(KVLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[-2]
-        self.owner.track_positions(self.layer_idx, self.length, key_states, rope_inputs(args, kwargs))
+        before = self.seen
+        self.owner.track_positions(self.layer_idx, before, key_states, rope_inputs(args, kwargs))
         leaving_k = self.k_win.push(to_fp16_checked(key_states, self.layer_idx, "key"))
         leaving_v = self.v_win.push(to_fp16_checked(value_states, self.layer_idx, "value"))
-        self.length += n
+        self.seen += key_states.shape[-2]
 
         m = 0 if leaving_k is None else leaving_k.shape[-2]
-        prev = self.owner.previous(self.layer_idx, self.n_quant + m) if self.needs_previous() else None
+        start = self.seen - self.n_recent - m  # position of the first token leaving the window
+        lo = self.code_lo if self.qk is not None else start
+        hi = start + m if m else lo + self.n_codes
+        prev = self.owner.previous(self.layer_idx, lo, hi) if self.needs_previous() and hi > lo else None
         if m:
-            self._evict(leaving_k, leaving_v, prev)
+            self.code(leaving_k, leaving_v, start, prev)
         rk, rv = self.reconstruct(prev)
-        self.owner.hand_off(self.layer_idx, rk, rv)
+        self.owner.hand_off(self.layer_idx, self.code_lo, rk, rv)
+        out = self._attended(key_states.dtype, rk, rv, before)
+        if self.window is not None:
+            forget(self)
+        if self.layer_idx == len(self.owner.layers) - 1:
+            self.owner.end_forward()
+        return out
 
-        dtype = key_states.dtype
-        parts_k = [] if self.k_win.sinks is None else [self.k_win.sinks.to(dtype)]
-        parts_v = [] if self.v_win.sinks is None else [self.v_win.sinks.to(dtype)]
+    def _attended(
+        self, dtype: torch.dtype, rk: torch.Tensor | None, rv: torch.Tensor | None, before: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sinks, reconstructed codes (re-rotated) and window from the first position attention reads:
+        all, or on a sliding layer the newest ``window − 1`` before this update (``get_mask_sizes``)."""
+        first = 0 if self.window is None else max(0, before - self.window + 1)
+        parts_k = [tail(self.k_win.sinks, self.sink_lo, first)]
+        parts_v = [tail(self.v_win.sinks, self.sink_lo, first)]
         if rk is not None:
-            cos, sin = self.owner.quantized_rope(self.sink, self.n_quant)
-            parts_k.append(apply_rope(from_rows(rk, self.n_heads), cos, sin).to(dtype))
-            parts_v.append(from_rows(rv, self.n_heads).to(dtype))
-        parts_k.append(self.k_win.recent.to(dtype))
-        parts_v.append(self.v_win.recent.to(dtype))
-        self._count_reads()
-        return torch.cat(parts_k, dim=-2), torch.cat(parts_v, dim=-2)
+            s = max(self.code_lo, first)
+            n = self.code_lo + self.n_codes - s
+            if n > 0:
+                cos, sin = self.owner.quantized_rope(self.layer_idx, s, n)
+                parts_k.append(apply_rope(from_rows(rk[:, s - self.code_lo :], self.n_heads), cos, sin))
+                parts_v.append(from_rows(rv[:, s - self.code_lo :], self.n_heads))
+        parts_k.append(tail(self.k_win.recent, self.seen - self.n_recent, first))
+        parts_v.append(tail(self.v_win.recent, self.seen - self.n_recent, first))
+        fp16 = sum(p.shape[-2] for p in (parts_k[0], parts_k[-1]) if p is not None)
+        self._count_reads(fp16)
+        keys = torch.cat([p.to(dtype) for p in parts_k if p is not None], dim=-2)
+        return keys, torch.cat([p.to(dtype) for p in parts_v if p is not None], dim=-2)
 
     def needs_previous(self) -> bool:
         return self.pred_k is not None or self.pred_v is not None
 
-    def _evict(self, ek: torch.Tensor, ev: torch.Tensor, prev: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Quantize the tokens that left the window (the oldest after the sinks) and append their codes."""
+    def code(self, ek: torch.Tensor, ev: torch.Tensor, start: int, prev: Rows | None) -> None:
+        """Quantize fp16 tokens at positions ``[start, start + m)`` (post-RoPE keys) and append their codes."""
         m = ek.shape[-2]
-        start = self.sink + self.n_quant
-        cos, sin = rope_tables(self.owner.rotary, self.owner.positions[:, start : start + m])
+        if self.qk is not None and self.code_lo + self.n_codes != start:
+            raise KvquantError(f"aquakv layer {self.layer_idx}: codes would not be contiguous (internal error)")
+        cos, sin = self.owner.tables(self.layer_idx, start, m)
         k = to_rows(undo_rope(ek.float(), cos, sin))
         v = to_rows(ev.float())
-        prev_k = prev_v = None
-        if prev is not None:
-            prev_k, prev_v = (p[:, self.n_quant : self.n_quant + m] for p in prev)
+        prev_k, prev_v = rows_between(prev, start, start + m, self.layer_idx) if prev is not None else (None, None)
         qk, _, qv, _ = encode_pair(self.quant, self.pred_k, self.pred_v, k, v, prev_k, prev_v)
-        self.qk = qk if self.qk is None else cat_rows([self.qk, qk])
-        self.qv = qv if self.qv is None else cat_rows([self.qv, qv])
+        if self.qk is None:
+            self.code_lo, self.qk, self.qv = start, qk, qv
+        else:
+            self.qk, self.qv = cat_rows([self.qk, qk]), cat_rows([self.qv, qv])
         self.n_quant += m
 
-    def reconstruct(
-        self, prev: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Pre-RoPE keys and values of the quantized tokens (``[B, n_quant, C]`` fp32), or ``(None, None)``."""
+    def reconstruct(self, prev: Rows | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Pre-RoPE keys and values of the coded tokens held (``[B, n_codes, C]`` fp32), or ``(None, None)``;
+        ``prev``: the previous layer's reconstruction from its first row's position on."""
         if self.qk is None:
             return None, None
-        prev_k, prev_v = prev if prev is not None else (None, None)
+        span = (self.code_lo, self.code_lo + self.n_codes, self.layer_idx)
+        prev_k, prev_v = rows_between(prev, *span) if prev is not None else (None, None)
         return dequantize_pair(self.quant, self.pred_k, self.pred_v, self.qk, self.qv, prev_k, prev_v)
 
-    def _count_reads(self) -> None:
-        read_k = self.k_win.read_widths(self.n_quant, self.qk.tensors() if self.qk else [])
-        read_v = self.v_win.read_widths(self.n_quant, self.qv.tensors() if self.qv else [])
-        self.count_read(read_k, read_v)
+    def _count_reads(self, fp16_tokens: int) -> None:
+        per_token = self.k_win.recent.shape[0] * self.n_heads * self.head_dim
+        n_codes = per_token * self.n_codes
+        bits_k = 8 * nbytes(self.qk.tensors()) if self.qk else 0
+        bits_v = 8 * nbytes(self.qv.tensors()) if self.qv else 0
+        fp16 = per_token * fp16_tokens
+        self.count_read(whole_bit_widths(n_codes, bits_k, fp16), whole_bit_widths(n_codes, bits_v, fp16))
 
 
 class AquaKVCache(KVCache):
-    """The layers plus what they share: token positions, the model's RoPE, the previous layer's reconstruction."""
+    """The layers plus what they share: token positions, the model's RoPE, the previous layer's reconstruction.
 
-    def __init__(self, layers: list[AquaKVLayer], rotary: torch.nn.Module, predictors: Predictors | None):
+    ``layer_types`` (``KVGeometry.layer_types``) choose each layer's RoPE table where the rotary
+    module has one per type; the constructor sets each layer's code horizon (module docstring).
+    """
+
+    def __init__(
+        self,
+        layers: list[AquaKVLayer],
+        rotary: torch.nn.Module,
+        predictors: Predictors | None,
+        layer_types: Sequence[str] | None = None,
+    ):
         super().__init__(layers)
         self.rotary, self.predictors = rotary, predictors
+        self.rope_types = rope_layer_types(rotary, layer_types) if layer_types else [None] * len(layers)
         self.adaptations: dict[str, Any] = {}
-        for layer in layers:
+        after: AquaKVLayer | None = None
+        for layer in reversed(layers):
             layer.owner = self
+            horizon = layer.window
+            if horizon is not None and after is not None and after.needs_previous():
+                horizon = None if after.horizon is None else max(horizon, after.horizon)
+            layer.horizon = horizon
+            layer.early = layer.window is not None and not layer.needs_previous() and horizon != layer.window
+            after = layer
         self.clear()
 
     def clear(self) -> None:
-        self.positions: torch.Tensor | None = None  # [B, L] int32
-        self._handoff: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
-        self._rope: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
+        self.positions: torch.Tensor | None = None  # [B, L] int32, of tokens pos_lo, pos_lo + 1, …
+        self.pos_lo = 0
+        self._handoff: dict[int, Rows] = {}
+        self._rope: dict[tuple[str | None, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_checked = False
 
     def map_shared(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-first map to the per-row state the layers share (positions, hand-off, cos/sin)."""
         if self.positions is not None:
             self.positions = fn(self.positions)
-        self._handoff = {i: (n, fn(rk), fn(rv)) for i, (n, rk, rv) in self._handoff.items()}
-        if self._rope is not None:
-            start, n, cos, sin = self._rope
-            self._rope = (start, n, fn(cos), fn(sin))
+        self._handoff = {i: (lo, fn(rk), fn(rv)) for i, (lo, rk, rv) in self._handoff.items()}
+        self._rope = {key: (fn(cos), fn(sin)) for key, (cos, sin) in self._rope.items()}
 
     def track_positions(self, layer_idx: int, seen: int, key_states: torch.Tensor, given: dict[str, Any]) -> None:
         """Record the new tokens' positions (first layer only): ``position_ids``, ``cache_position`` or a count."""
@@ -236,43 +328,59 @@ class AquaKVCache(KVCache):
 
     def _check_rope(self, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Refuse a model whose cos/sin differ from its rotary module's at the tracked positions."""
-        mine_cos, mine_sin = rope_tables(self.rotary, pos)
+        mine_cos, mine_sin = rope_tables(self.rotary, pos, self.rope_types[0])
         tol = 1e-2 if cos.dtype in (torch.float16, torch.bfloat16) else 1e-4
         if not (torch.allclose(mine_cos, cos.float(), atol=tol) and torch.allclose(mine_sin, sin.float(), atol=tol)):
             raise KvquantError("aquakv: the cos/sin the model handed the cache differ from its rotary embedding's")
         self._rope_checked = True
 
-    def quantized_rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of the quantized tokens, computed once per forward and shared by all layers."""
-        if self._rope is None or self._rope[:2] != (start, n):
-            cos, sin = rope_tables(self.rotary, self.positions[:, start : start + n])
-            self._rope = (start, n, cos, sin)
-        return self._rope[2], self._rope[3]
+    def tables(self, layer_idx: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of tokens ``[start, start + n)`` for layer ``layer_idx``'s RoPE."""
+        pos = self.positions[:, start - self.pos_lo : start - self.pos_lo + n]
+        return rope_tables(self.rotary, pos, self.rope_types[layer_idx])
 
-    def hand_off(self, layer_idx: int, rk: torch.Tensor | None, rv: torch.Tensor | None) -> None:
-        """Keep layer ``l``'s reconstruction for layer ``l + 1`` of the same forward (dropped at the end)."""
+    def quantized_rope(self, layer_idx: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tables`` of the coded tokens a layer hands attention, once per forward for the layers that share them."""
+        key = (self.rope_types[layer_idx], start, n)
+        if key not in self._rope:
+            self._rope[key] = self.tables(layer_idx, start, n)
+        return self._rope[key]
+
+    def hand_off(self, layer_idx: int, lo: int, rk: torch.Tensor | None, rv: torch.Tensor | None) -> None:
+        """Keep layer ``l``'s reconstruction (first row: position ``lo``) for layer ``l + 1`` of the same forward."""
         self._handoff.pop(layer_idx - 1, None)
         if layer_idx + 1 < len(self.layers) and rk is not None:
-            self._handoff[layer_idx] = (rk.shape[1], rk, rv)
-        else:
-            self._rope = None
+            self._handoff[layer_idx] = (lo, rk, rv)
 
-    def previous(self, layer_idx: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer ``l − 1``'s reconstruction of its ``n`` quantized tokens (from the hand-off, else rebuilt)."""
-        if layer_idx == 0 or n == 0:
+    def end_forward(self) -> None:
+        """After the last layer: drop the forward's cos/sin and the positions of tokens no layer holds."""
+        self._rope.clear()
+        cut = min(layer.first_held() for layer in self.layers) - self.pos_lo
+        if cut > 0 and self.positions is not None:
+            self.positions = self.positions[:, cut:].clone()
+            self.pos_lo += cut
+
+    def previous(self, layer_idx: int, lo: int, hi: int) -> Rows | None:
+        """Layer ``l − 1``'s reconstruction covering positions ``[lo, hi)`` (from the hand-off, else rebuilt)."""
+        if layer_idx == 0:
             return None
         got = self._handoff.get(layer_idx - 1)
-        if got is not None and got[0] == n:
-            return got[1], got[2]
-        return self.reconstruct(layer_idx - 1)
+        if got is not None and got[0] <= lo and got[0] + got[1].shape[1] >= hi:
+            return got
+        return self.rebuild(layer_idx - 1)
 
-    def reconstruct(self, upto: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rebuild layers ``0 … upto`` from their codes alone (what any reader of this cache can do)."""
+    def rebuild(self, upto: int) -> Rows | None:
+        """Layers ``0 … upto`` rebuilt from their codes alone (what any reader of this cache can do)."""
         prev = None
         for layer in self.layers[: upto + 1]:
             rk, rv = layer.reconstruct(prev if layer.needs_previous() else None)
-            prev = None if rk is None else (rk, rv)
+            prev = None if rk is None else (layer.code_lo, rk, rv)
         return prev
+
+    def reconstruct(self, upto: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Pre-RoPE keys and values of the coded tokens layer ``upto`` holds, rebuilt from codes alone."""
+        rows = self.rebuild(upto)
+        return None if rows is None else (rows[1], rows[2])
 
     def stats(self) -> dict[str, Any]:
         """``KVCache.stats()`` plus bytes per kind of storage and, separately, the predictors' size."""

@@ -22,7 +22,7 @@ from kvquant.methods.aquakv.method import SINK, AquaKVMethod
 from kvquant.methods.aquakv.predictors import FORMAT, Predictors, apply_predictor, model_identity, to_rows
 from kvquant.quant.higgs import Higgs
 from kvquant.quant.ridge import DEFAULT_LAMBDA, RidgeStats
-from kvquant.quant.rope import rope_tables, undo_rope
+from kvquant.quant.rope import rope_layer_types, rope_tables, undo_rope
 
 CALIB_POOL = 2000  # calibration draws from the last CALIB_POOL TinyStories validation stories
 
@@ -112,19 +112,22 @@ def calibration_ids(tokenizer: Any, n_seqs: int, seq_len: int, seed: int) -> tup
 def collect_kv(
     model: Any, ids: list[torch.Tensor], sink: int, progress: bool = False
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer, pre-RoPE keys and values ``[N, C]`` (fp16, as the cache's window holds them), sinks dropped."""
+    """Per layer, pre-RoPE keys and values ``[N, C]`` (fp16, as the cache's window holds them), sinks
+    dropped; each layer's keys un-rotated with its own layer type's tables (Gemma-3: local and global)."""
     from tqdm.auto import tqdm
 
     from kvquant.analysis.capture import capture_kv
 
     rotary = find_rotary(model)
+    types = rope_layer_types(rotary, KVGeometry.of(model.config).layer_types)
     keys: list[list[torch.Tensor]] = []
     values: list[list[torch.Tensor]] = []
     for seq in tqdm(ids, desc="aquakv calibration (collect K/V)", disable=not progress):
         kv = capture_kv(model, seq)
         pos = torch.arange(seq.numel(), device=kv[0][0].device).unsqueeze(0)
-        cos, sin = rope_tables(rotary, pos)
+        tables = {t: rope_tables(rotary, pos, t) for t in set(types)}
         for layer, (k, v) in enumerate(kv):
+            cos, sin = tables[types[layer]]
             k16 = to_fp16_checked(k, layer, "key").float()
             v16 = to_fp16_checked(v, layer, "value")
             if layer >= len(keys):

@@ -11,7 +11,8 @@ HIGGS alone (Malinovskii et al., 2024) is the same cache without predictors.
 Storage per layer: the first ``sink`` (4) tokens and the newest ``window`` (128) stay fp16; older
 tokens are held as packed codes and fp16 scales, plus one int32 position per token (layer 0) to
 redo RoPE — all counted in ``bits_stored``. The predictors are per model, not per token: their size
-is reported separately (``cache.stats()["predictor_bytes"]``).
+is reported separately (``cache.stats()["predictor_bytes"]``). A sliding-window layer (Mistral,
+Gemma-2/3) keeps only what its window and the next layer's predictor need (``cache.py``).
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ class HiggsMethod(KVMethod):
         for i in range(geometry.n_layers):
             pk = pred.k.get(i) if pred is not None else None
             pv = pred.v.get(i) if pred is not None else None
-            layers.append(AquaKVLayer(i, quants[self.layer_bits(i)], pk, pv, self.sink, self.window))
-        cache = AquaKVCache(layers, find_rotary(model), pred)
+            quant, window = quants[self.layer_bits(i)], geometry.window(i)
+            layers.append(AquaKVLayer(i, quant, pk, pv, self.sink, self.window, window))
+        cache = AquaKVCache(layers, find_rotary(model), pred, geometry.layer_types)
         cache.adaptations = self.adaptations(geometry)
         return cache
 
