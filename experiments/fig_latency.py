@@ -1,10 +1,13 @@
-"""Latency of the KV part of one decode step vs position, every method against fp16 in the same run.
+"""Latency of the KV part of one decode step vs position, on the caches users get, against fp16 in the same run.
 
-``kvquant.analysis.timing.decode_step_time`` for each method and context on one attention shape
-(the model's, or a named one such as ``llama2_7b``); medians over repeats, warm-up excluded. Writes
-``fig_latency.{csv,png,pdf}``: time per step (left) and the ratio to fp16 (right). CPU here; the
-CuPy AlignedKV kernel joins this figure where a GPU is present (see ``kernels_cupy``). ``render`` redraws
-the figure from the CSV alone (``make figures``), its title from results.json.
+``kvquant.analysis.timing.decode_step_time`` for each method (built with ``experiment.backend``
+where the method has a backend: the C++ kernels, CuPy or torch, as ``auto`` resolves on this
+machine) and each attention shape with its contexts (smollm2_135m up to 8K, Llama-2-7B's 32×128 up
+to 32K); fp16 on the same backend is the ratio's baseline and transformers' ``DynamicCache``
+(``hf_dynamic``) the outside reference. Beside each time: bits and bytes read per step and the
+rate they were read at, next to the machine's measured copy bandwidth. Writes
+``fig_latency.{csv,png,pdf}``: time per step (left) and ratio to fp16 (right), one row per shape.
+``render`` redraws the figure from the CSV alone (``make figures``), titles from results.json.
 """
 
 from __future__ import annotations
@@ -18,76 +21,98 @@ from experiments.figures import publish, records
 from kvquant.plots import method_color, pyplot, save_figure
 
 NAME = "fig_latency"
+BASELINE = "fp16"
 
 
 def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Path]:
-    """Time per step (left) and ratio to fp16 (right) from the CSV; the title names the shape and device."""
+    """Per shape: time per step (left) and ratio to fp16 (right); titles name the shape, device and CPU."""
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, rows in table.groupby("method"):
-        rows = rows.sort_values("context")
-        left.plot(rows.context, rows.ms, marker="o", color=method_color(method), label=method)
-        right.plot(rows.context, rows.ratio_to_fp16, marker="o", color=method_color(method), label=method)
-    contexts = sorted(table.context.unique())
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(contexts, [str(c) for c in contexts])
-        ax.minorticks_off()
-        ax.set_xlabel("position (tokens in the cache)")
-        ax.grid(alpha=0.3)
-    left.set_yscale("log")
-    right.set_yscale("log")
-    left.set_ylabel("KV time of one decode step (ms, median)")
-    right.set_ylabel("time / fp16 time (ratio, same run)")
-    right.axhline(1.0, color="black", lw=0.8)
+    shapes = list(dict.fromkeys(table["shape"]))
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(11, 4.2 * len(shapes)), squeeze=False)
     experiment = (results or {}).get("experiment", {})
-    device = (results or {}).get("env", {}).get("device")
-    title = ", ".join(str(x) for x in (experiment.get("shape_label"), device) if x)
-    left.set_title(title or "KV part of one decode step")
-    right.set_title("ratio to fp16")
-    handles, labels = left.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    where = ", ".join(str(x) for x in ((results or {}).get("env", {}).get("device"), experiment.get("cpu")) if x)
+    for (left, right), shape in zip(axes, shapes, strict=True):
+        rows_of_shape = table[table["shape"] == shape]
+        for method, rows in rows_of_shape.groupby("method", sort=False):
+            rows = rows.sort_values("context")
+            label = f"{method} ({rows.backend.iloc[0]})"
+            left.plot(rows.context, rows.ms, marker="o", color=method_color(method), label=label)
+            right.plot(rows.context, rows.ratio_to_fp16, marker="o", color=method_color(method), label=label)
+        contexts = sorted(rows_of_shape.context.unique())
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts, [str(c) for c in contexts])
+            ax.minorticks_off()
+            ax.set_xlabel("position (tokens in the cache)")
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        left.set_ylabel("KV time of one decode step (ms, median)")
+        right.set_ylabel("time / fp16 time (same run)")
+        right.axhline(1.0, color="black", lw=0.8)
+        label = (experiment.get("shape_labels") or {}).get(shape, shape)
+        left.set_title(f"{label}{', ' + where if where else ''}", fontsize=9)
+        right.set_title("ratio to fp16 (same backend)", fontsize=9)
+        left.legend(fontsize=7, frameon=False)
     fig.tight_layout()
     return save_figure(fig, stem)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
+    import dataclasses
+
     import pandas as pd
     import torch
     from hydra.core.hydra_config import HydraConfig
     from tqdm.auto import tqdm
 
-    from kvquant.analysis.timing import SHAPES, decode_step_time
+    from kvquant.analysis.timing import HF_DYNAMIC, SHAPES, copy_bandwidth, cpu_model, decode_step_time
     from kvquant.errors import InvalidParameterError
     from kvquant.methods import get_method
     from kvquant.models import resolve_device
 
     exp = cfg.experiment
-    if exp.shape not in SHAPES:
-        raise InvalidParameterError(f"unknown experiment.shape '{exp.shape}'; valid: {', '.join(SHAPES)}")
+    unknown = [s for s in exp.shapes if s not in SHAPES]
+    if unknown:
+        raise InvalidParameterError(f"unknown experiment.shapes {unknown}; valid: {', '.join(SHAPES)}")
     if exp.threads:
         torch.set_num_threads(int(exp.threads))
-    methods = {name: get_method(name) for name in exp.methods}
-    fp16 = get_method("fp16")
-    rows = []
-    for context in tqdm(list(exp.contexts), desc=NAME, disable=not cfg.progress):
-        base, _ = decode_step_time(fp16, exp.shape, int(context), exp.repeats)
-        rows.append({"method": "fp16", "context": context, "ms": base * 1e3, "ratio_to_fp16": 1.0, "bits_read": 16.0})
-        for label, method in methods.items():
-            t, bits = decode_step_time(method, exp.shape, int(context), exp.repeats)
-            rows.append(
-                {"method": label, "context": context, "ms": t * 1e3, "ratio_to_fp16": t / base, "bits_read": bits}
-            )
-    hq, hkv, d = SHAPES[exp.shape]
     device = resolve_device(cfg.device)
+
+    def build(name: str):
+        method = get_method(name)
+        has_backend = "backend" in {f.name for f in dataclasses.fields(method)}
+        return method.with_params(backend=exp.backend) if has_backend else method
+
+    methods = {BASELINE: build(BASELINE), **{str(n): build(str(n)) for n in exp.methods if n != BASELINE}}
+    methods[HF_DYNAMIC] = None
+    bandwidth = copy_bandwidth() if device == "cpu" else None
+    rows = []
+    cells = [(shape, int(c)) for shape in exp.shapes for c in exp.contexts[shape]]
+    for shape, context in tqdm(cells, desc=NAME, disable=not cfg.progress):
+        timed = {
+            label: decode_step_time(method, shape, context, int(exp.repeats), device=device)
+            for label, method in methods.items()
+        }
+        base, hf = timed[BASELINE].seconds, timed[HF_DYNAMIC].seconds
+        for label, t in timed.items():
+            rows.append(
+                {"shape": shape, "method": label, "backend": t.backend, "context": context, "ms": t.seconds * 1e3}
+                | {"ratio_to_fp16": t.seconds / base, "ratio_to_hf_dynamic": t.seconds / hf}
+                | {"bits_read": t.bits_read, "mb_read": t.bytes_read / 1e6, "gb_per_s": t.bytes_read / t.seconds / 1e9}
+            )
     experiment = {
         "name": NAME,
-        "shape": exp.shape,
-        "shape_label": f"{exp.shape} shape ({hq}q/{hkv}kv×{d})",
+        "shapes": {s: list(exp.contexts[s]) for s in exp.shapes},
+        "shape_labels": {s: f"{s} shape ({SHAPES[s][0]}q/{SHAPES[s][1]}kv×{SHAPES[s][2]})" for s in exp.shapes},
+        "backend": exp.backend,
         "threads": torch.get_num_threads(),
+        "copy_gb_per_s": None if bandwidth is None else bandwidth / 1e9,
+        "cpu": cpu_model(),
     }
     out = Path(HydraConfig.get().runtime.output_dir)
     results = {"experiment": experiment, "env": {"device": device}}
     table, _ = publish(render, NAME, pd.DataFrame(rows), out, exp.figures_dir, results)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if bandwidth is not None:
+        print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s ({experiment['cpu']}, {experiment['threads']} threads)")
     return {"experiment": experiment, "table": records(table), "device": device}

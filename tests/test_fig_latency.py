@@ -3,6 +3,7 @@
 import csv
 import json
 
+import pytest
 from conftest import run_experiment
 
 from experiments.figures import check_agrees, read_table
@@ -12,19 +13,31 @@ def test_latency_rows_and_ratios(tmp_path):
     fig = run_experiment(
         tmp_path,
         "experiment=fig_latency",
-        "experiment.contexts=[128,320]",
+        "experiment.shapes=[smollm2_135m]",
+        "experiment.contexts.smollm2_135m=[128,320]",
         "experiment.repeats=1",
-        "experiment.methods=[alignedkv,truncation]",
+        "experiment.backend=torch",
+        "experiment.methods=[alignedkv,truncation,kivi2]",
     )
     rows = list(csv.DictReader(open(fig / "fig_latency.csv")))
     assert [(r["method"], r["context"]) for r in rows] == [
-        (m, c) for c in ("128", "320") for m in ("fp16", "alignedkv", "truncation")
+        (m, c) for c in ("128", "320") for m in ("fp16", "alignedkv", "truncation", "kivi2", "hf_dynamic")
     ]
-    assert all(float(r["ms"]) > 0 for r in rows)
+    assert all(float(r["ms"]) > 0 and r["backend"] == "torch" for r in rows)
     assert all(float(r["ratio_to_fp16"]) == 1.0 for r in rows if r["method"] == "fp16")
-    assert all(float(r["bits_read"]) == 13.0 for r in rows if r["method"] == "truncation")
-    assert all(8.0 < float(r["bits_read"]) < 16.5 for r in rows if r["method"] == "alignedkv")
+    assert all(float(r["ratio_to_hf_dynamic"]) == 1.0 for r in rows if r["method"] == "hf_dynamic")
+    by = {(r["method"], r["context"]): r for r in rows}
+    for c in ("128", "320"):  # bits and bytes read per step: 16-bit fp16, 32-bit DynamicCache, 13-bit truncation
+        elements = 2 * 3 * int(c) * 64
+        assert float(by["fp16", c]["bits_read"]) == 16.0
+        assert float(by["fp16", c]["mb_read"]) == pytest.approx(2 * elements / 1e6)
+        assert float(by["hf_dynamic", c]["mb_read"]) == pytest.approx(4 * elements / 1e6)
+        assert float(by["truncation", c]["bits_read"]) == 13.0
+        assert 8.0 < float(by["alignedkv", c]["bits_read"]) < 16.5
+    assert float(by["kivi2", "320"]["bits_read"]) < 16  # 320 tokens: 192 of them quantized
     results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
     check_agrees(read_table(fig / "fig_latency.csv"), results["table"], "fig_latency")
-    assert results["experiment"]["shape_label"] == "smollm2_135m shape (9q/3kv×64)"
+    experiment = results["experiment"]
+    assert experiment["shape_labels"] == {"smollm2_135m": "smollm2_135m shape (9q/3kv×64)"}
+    assert experiment["copy_gb_per_s"] > 0 and experiment["cpu"]
     assert (fig / "fig_latency.png").stat().st_size > 10_000 and (fig / "fig_latency.pdf").is_file()

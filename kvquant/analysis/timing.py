@@ -1,27 +1,102 @@
-"""Time of the KV part of one decode step: store the new token, read what attention needs, attend.
+"""Time of the KV part of one decode step, on the cache a user gets: store the new token, read, attend.
 
-Every method starts from its own store holding ``context − 1`` tokens (built untimed) and is timed
-on ``update`` of the last token plus attention (transformers' SDPA on what ``update`` returned, or
-the reader's ``attend``), so each is charged for its own reads. Medians over repeats after warm-up.
+Each method's cache is built through its own ``new_cache`` (so on the backend its ``backend``
+parameter resolves to: the C++ kernels, CuPy or the torch reference) for a one-layer model of the
+attention shape, filled with synthetic tokens untimed, then timed on ``update`` of one more token
+plus attention (the layer's own ``attend`` when it reads inside attention, else transformers' SDPA
+on what ``update`` returned), step after step; the first timed step leaves ``context`` tokens held.
+``hf_dynamic`` is transformers' ``DynamicCache`` layer with SDPA on its fp32 tensors: the outside
+reference.
+
+Synthetic K/V: keys have per-channel scales drawn log-normally plus a few outlier channels (as real
+keys do — it is what AlignedKV's key rule and KIVI's per-channel groups respond to), values are
+Gaussian; seeded, so every method reads the same tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvquant.attention import READER_ATTR
-from kvquant.cache import KVGeometry
 
 SHAPES = {  # name: (query heads, KV heads, head_dim)
     "smollm2_135m": (9, 3, 64),
     "llama2_7b": (32, 32, 128),
     "llama3.1_8b": (32, 8, 128),
 }
+HF_DYNAMIC = "hf_dynamic"
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Median seconds of one step, bits read per element, bytes read per step, the backend used."""
+
+    seconds: float
+    bits_read: float
+    bytes_read: float
+    backend: str
+
+
+@functools.cache
+def shape_model(shape: str, device: str = "cpu") -> Any:
+    """A one-layer Llama with the attention shape ``shape`` (random weights): what ``new_cache`` needs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hq, hkv, d = SHAPES[shape]
+    config = LlamaConfig(
+        vocab_size=8,
+        hidden_size=hq * d,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=d,
+        max_position_embeddings=1 << 17,
+    )
+    return LlamaForCausalLM(config).eval().to(device)
+
+
+def synthetic_kv(shape: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[1, Hkv, n, D]`` with log-normal channel scales and 2 outlier channels per head; values Gaussian."""
+    _, hkv, d = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.exp(0.6 * torch.randn(1, hkv, 1, d, generator=gen))
+    scale[..., torch.randint(0, d, (2,), generator=gen)] *= 8.0
+    keys = torch.randn(1, hkv, n, d, generator=gen) * scale + 0.5 * scale
+    return keys, torch.randn(1, hkv, n, d, generator=gen)
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of a large ``copy_`` (read plus write, counted once): the memory system's pace."""
+    src = torch.ones(mib << 18)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return src.numel() * src.element_size() / statistics.median(times[1:])
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere): timings name their machine."""
+    import platform
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def _bits(counts) -> tuple[float, int]:
@@ -30,31 +105,47 @@ def _bits(counts) -> tuple[float, int]:
     return bits, n
 
 
-def decode_step_time(method, shape: str, context: int, repeats: int = 5, warmup: int = 2, seed: int = 0):
-    """``(median seconds, bits read per element)`` of one decode step's KV work at ``context`` tokens."""
-    hq, hkv, d = SHAPES[shape]
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(1, hkv, context, d, generator=gen)
-    v = torch.randn(1, hkv, context, d, generator=gen)
-    q = torch.randn(1, hq, 1, d, generator=gen)
-    geometry = KVGeometry(n_layers=1, n_heads=hq, n_kv_heads=hkv, head_dim=d)
-    module = SimpleNamespace(num_key_value_groups=hq // hkv, is_causal=True, training=False)
+def decode_step_time(
+    method: Any, shape: str, context: int, repeats: int = 5, warmup: int = 2, seed: int = 0, device: str = "cpu"
+) -> StepTime:
+    """One decode step's KV work at ``context`` tokens through ``method``'s cache (None: ``DynamicCache``)."""
+    from transformers import DynamicCache
+
+    hq, _, d = SHAPES[shape]
+    model = shape_model(shape, device)
+    if context < warmup + 2:
+        raise ValueError(f"context must be >= {warmup + 2}, got {context}")
+    keys, values = (t.to(device) for t in synthetic_kv(shape, context + repeats, seed))
+    query = torch.randn(1, hq, 1, d, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    module = model.model.layers[0].self_attn
     scaling = d**-0.5
-    times, bits_read = [], float("nan")
-    for i in range(warmup + repeats):
-        layer = method.new_layer(0, geometry)
-        layer.update(k[:, :, :-1], v[:, :, :-1])
-        before = _bits(layer.counts())
-        start = time.perf_counter()
-        keys, values = layer.update(k[:, :, -1:], v[:, :, -1:])
-        reader = getattr(keys, READER_ATTR, None)  # a layer that reads inside attention
-        if reader is not None:
-            reader.attend(module, q, None, scaling=scaling)
-        else:
-            sdpa_attention_forward(module, q, keys, values, None, scaling=scaling)
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            times.append(elapsed)
-        after = _bits(layer.counts())
-        bits_read = (after[0] - before[0]) / max(after[1] - before[1], 1)
-    return statistics.median(times), bits_read
+    scope = method.attach(model) if method is not None else contextlib.nullcontext()
+    with scope:
+        cache = method.new_cache(model) if method is not None else DynamicCache(config=model.config)
+        layer = cache.layers[0]
+        fill = context - 1 - warmup  # so the first timed step leaves exactly ``context`` tokens held
+        layer.update(keys[:, :, :fill], values[:, :, :fill])
+        times, bits, elements = [], 0.0, 0
+        for i in range(warmup + repeats):
+            t = fill + i
+            before = _bits(layer.counts()) if method is not None else (0.0, 0)
+            start = time.perf_counter()
+            k, v = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+            reader = getattr(k, READER_ATTR, None)  # a layer that reads inside attention
+            if reader is not None:
+                reader.attend(module, query, None, scaling=scaling)
+            else:
+                sdpa_attention_forward(module, query, k, v, None, scaling=scaling)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if i >= warmup:
+                times.append(elapsed)
+                if method is not None:
+                    after = _bits(layer.counts())
+                    bits, elements = bits + after[0] - before[0], elements + after[1] - before[1]
+                else:  # fp32 K and V, all of them
+                    bits, elements = bits + 32.0 * 2 * k.numel(), elements + 2 * k.numel()
+    backend = getattr(cache, "backend", None) or "torch"
+    return StepTime(statistics.median(times), bits / max(elements, 1), bits / 8 / repeats, backend)
+
