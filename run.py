@@ -30,7 +30,7 @@ from kvquant.errors import KvquantError
 from kvquant.fsutil import atomic_write_text
 from kvquant.results import config_hash, env_info, find_results, flatten, write_results
 
-TABLE_BLOCKS = ("metrics", "fidelity", "bits", "memory", "timing")
+TABLE_BLOCKS = ("metrics", "paired", "fidelity", "bits", "memory", "timing")
 CONF = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "method", "task", "logger", "experiment")
 JOB_FILE = "job.json"
@@ -95,8 +95,13 @@ def print_table(cfg: DictConfig, results: dict) -> None:
     runner = cfg.experiment.runner
     names = [cfg.model.name, cfg.method.name, cfg.task.name] if runner == "evaluate" else [cfg.model.name, runner]
     print(" · ".join(names))
+    ci95, counts = results.get("ci95") or {}, results.get("n") or {}
     for key, value in rows.items():
         shown = f"{value:.6g}" if isinstance(value, float) else value
+        if key in ci95:
+            shown = f"{shown}  [{ci95[key][0]:.6g}, {ci95[key][1]:.6g}]"
+        if key in counts:
+            shown = f"{shown}  (n={counts[key]})"
         print(f"  {key:<{width}}  {shown}")
 
 

@@ -15,6 +15,12 @@ run.py's format, to ``<table run dir>/cells/<method>_<task>/``. A cell that rais
 
 Table runners (``table_tasks``, ``table_aquakv``) are artefacts in ``experiments.figures``' sense:
 ``NAME`` and ``render(table, stem)``, which writes the Markdown table / figure from the CSV alone.
+
+Each CSV row carries the cell's headline metric with its 95% interval (``value_lo``, ``value_hi``),
+its difference to fp16 on the same examples with that interval (``paired``, ``paired_lo``,
+``paired_hi``), n, and every fidelity number with its interval (``<name>_lo``, ``<name>_hi``), read
+from the cell's results.json ``ci95``/``paired`` blocks; a cell written before those blocks existed
+(or with one example) has them empty, and the Markdown shows the number alone.
 """
 
 from __future__ import annotations
@@ -231,10 +237,25 @@ def shown_path(path: Path) -> str:
         return str(path)
 
 
+def bounds(data: Mapping[str, Any], key: str) -> tuple[float | None, float | None]:
+    """``(lo, hi)`` of ``ci95[key]`` in a results.json, ``(None, None)`` where it has none (n = 1, or older)."""
+    pair = (data.get("ci95") or {}).get(key)
+    if isinstance(pair, (list, tuple)) and len(pair) == 2:
+        return float(pair[0]), float(pair[1])
+    return None, None
+
+
 def cell_row(result: CellResult, metric: str, scale: float = 1.0) -> dict[str, Any]:
-    """One CSV row: the cell's primary metric, n, fidelity, bits and time, straight from its results.json."""
+    """One CSV row: the cell's primary metric, n, fidelity, bits and time, each number with its interval,
+    straight from its results.json."""
     cell, data = result.cell, result.results or {}
     metrics, fidelity, bits = data.get("metrics", {}), data.get("fidelity", {}), data.get("bits", {})
+    value_lo, value_hi = bounds(data, f"metrics/{metric}")
+    paired_lo, paired_hi = bounds(data, f"paired/{metric}")
+    with_bounds: dict[str, Any] = {}
+    for name in FIDELITY:
+        lo, hi = bounds(data, f"fidelity/{name}")
+        with_bounds |= {name: fidelity.get(name), f"{name}_lo": lo, f"{name}_hi": hi}
     reason = result.reason
     if result.status != "skipped" and metric not in metrics:
         reason = f"no metric '{metric}' in {result.path}; it has: {', '.join(sorted(metrics))}"
@@ -249,9 +270,14 @@ def cell_row(result: CellResult, metric: str, scale: float = 1.0) -> dict[str, A
         "status": result.status,
         "metric": metric,
         "value": metrics.get(metric),
+        "value_lo": value_lo,
+        "value_hi": value_hi,
+        "paired": (data.get("paired") or {}).get(metric),
+        "paired_lo": paired_lo,
+        "paired_hi": paired_hi,
         "scale": scale,
         "n": (data.get("task") or {}).get("n"),
-        **{name: fidelity.get(name) for name in FIDELITY},
+        **with_bounds,
         "bits_stored": bits.get("stored"),
         "bits_read": bits.get("read"),
         "bits_analytic": bits.get("analytic_stored"),
@@ -274,10 +300,33 @@ def footnotes(table) -> tuple[dict[str, int], list[str]]:
     return numbers, [f"[{i}] {reason}" for reason, i in numbers.items()]
 
 
-def fmt(value: Any, digits: int = 2) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+def missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def fmt(value: Any, digits: int = 2, sign: bool = False) -> str:
+    if missing(value):
         return "–"
-    return f"{float(value):.{digits}f}"
+    return f"{float(value):{'+' if sign else ''}.{digits}f}"
+
+
+def fmt_ci(value: Any, lo: Any, hi: Any, digits: int = 2, scale: float = 1.0, sign: bool = False) -> str:
+    """``value [lo, hi]`` (each times ``scale``), or the value alone where the interval is missing."""
+    if missing(value):
+        return "–"
+    text = fmt(value * scale, digits, sign)
+    if missing(lo) or missing(hi):
+        return text
+    return f"{text} [{fmt(lo * scale, digits, sign)}, {fmt(hi * scale, digits, sign)}]"
+
+
+def excludes_zero(lo: Any, hi: Any, n: Any) -> bool:
+    """Whether a paired interval lies on one side of 0 with enough examples (``MIN_N_CLAIM``) for the
+    bootstrap to be trusted: a difference beyond resampling noise."""
+    from kvquant.eval.intervals import MIN_N_CLAIM
+
+    enough = not missing(n) and n >= MIN_N_CLAIM
+    return enough and not (missing(lo) or missing(hi)) and (lo > 0 or hi < 0)
 
 
 def metric_of(task_name: str, display: Mapping[str, Any]) -> tuple[str, float]:

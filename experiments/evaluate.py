@@ -1,4 +1,11 @@
-"""The default runner: one model × one KV method × one task, with fidelity to fp16."""
+"""The default runner: one model × one KV method × one task, with fidelity to fp16.
+
+Beside ``metrics`` and ``fidelity``, results.json gets ``paired`` (each metric minus fp16's on the
+same examples), ``ci95`` (95% bootstrap intervals over examples, keyed ``metrics/<name>``,
+``fidelity/<name>``, ``paired/<name>``) and ``n`` (the examples behind each of those numbers; a key
+with n = 1 has no interval). results.json files written before these blocks existed lack them, and
+every reader (``experiments/cells.py``, ``kvquant.results``, ``kvquant.tracking``) treats them as absent.
+"""
 
 from __future__ import annotations
 
@@ -73,6 +80,9 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None
         "examples": examples,
         "metrics": result.metrics,
         "fidelity": result.fidelity,
+        "paired": result.paired or None,
+        "ci95": result.ci95 or None,
+        "n": result.n_by_key or None,
         "bits": {
             "stored": stats["bits_stored"],
             "read": stats["bits_read"],

@@ -5,7 +5,9 @@ Cells (``experiments/cells.py``) of fp16, HIGGS and AQUA-KV at 2/3/4 bits, the p
 cells need calibrated predictors (``python run.py experiment=calibrate method=aquakv method.bits=B``);
 without them a cell is listed as skipped with that command. Writes ``table_aquakv.csv``,
 ``table_aquakv.md`` and ``table_aquakv.{png,pdf}`` (score vs measured bits stored per value, one panel
-per task); ``render`` rebuilds the Markdown and the figure from the CSV alone.
+per task); ``render`` rebuilds the Markdown and the figure from the CSV alone. Scores and KL carry
+their 95% bootstrap intervals over examples (error bars in the figure), and the difference to fp16
+its paired interval on the same examples, where the cell has them (n ≥ 2, results.json with ``ci95``).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from experiments.cells import fmt, footnotes, run_table
+from experiments.cells import excludes_zero, fmt, fmt_ci, footnotes, missing, run_table
+from experiments.table_tasks import col
+from kvquant.eval.intervals import MIN_N_CLAIM
 from kvquant.plots import method_color, pyplot, save_figure
 
 NAME = "table_aquakv"
 REFERENCE = "fp16"
 ABLATIONS = {"aquakv_k_only": ("^", "key predictors only"), "aquakv_v_only": ("v", "value predictors only")}
-WIDTH = 5  # Markdown columns per task
+WIDTH = 6  # Markdown columns per task
 PUBLISHED_NOTE = (
     "Published (AQUA-KV paper, Llama-family models): near-lossless at 2–2.5 bits per value, "
     "under 1% relative change in perplexity and LongBench."
@@ -48,7 +52,7 @@ def markdown(ours, stem: Path) -> Path:
     for task in tasks:
         metric = ours[ours.task == task].metric.iloc[0]
         head += [f"{task}: bits stored", f"{task}: bits (analytic)", f"{task}: {metric}", f"{task}: Δ vs {REFERENCE}"]
-        head += [f"{task}: KL vs {REFERENCE}"]
+        head += [f"{task}: Δ paired", f"{task}: KL vs {REFERENCE}"]
         rule += ["---"] * WIDTH
     models = ", ".join(dict.fromkeys(ours.model.dropna())) or "?"
     lines = [f"# AQUA-KV vs HIGGS vs KIVI, {models}", "", "| " + " | ".join(head) + " |", "|" + "|".join(rule) + "|"]
@@ -67,8 +71,12 @@ def markdown(ours, stem: Path) -> Path:
                 continue
             change = relative_change(row.value, refs.get(task))
             shown = "–" if change is None or row.method_name == REFERENCE else f"{100 * change:+.2f}%"
-            cells += [fmt(row.bits_stored, 3), fmt(row.bits_analytic, 3), fmt(row.value * row.scale, 3), shown]
-            cells.append(fmt(row.kl, 4))
+            value = fmt_ci(row.value, col(row, "value_lo"), col(row, "value_hi"), 3, row.scale)
+            cells += [fmt(row.bits_stored, 3), fmt(row.bits_analytic, 3), value, shown]
+            lo, hi = col(row, "paired_lo"), col(row, "paired_hi")
+            paired = "–" if row.method_name == REFERENCE else fmt_ci(col(row, "paired"), lo, hi, 3, row.scale, True)
+            cells.append(paired + (" *" if excludes_zero(lo, hi, row.n) else ""))
+            cells.append(fmt_ci(row.kl, col(row, "kl_lo"), col(row, "kl_hi"), 4))
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     n = {t: ours[(ours.task == t) & ours.n.notna()].n for t in tasks}
     lines += [
@@ -76,6 +84,9 @@ def markdown(ours, stem: Path) -> Path:
         "Bits stored: measured from the tensors each cache held in that cell (scales, fp16 sink and window "
         "included, so short contexts read high); analytic: the method's asymptotic bits per value. "
         f"KL: mean KL({REFERENCE} ‖ method) of next-token distributions in nats, meaningful at any model size. "
+        f"Brackets: 95% percentile-bootstrap interval over examples (fixed seed; none where n < 2); Δ paired: "
+        f"method − {REFERENCE} on the same examples in the metric's units, * where its interval excludes 0 "
+        f"with n ≥ {MIN_N_CLAIM} (elsewhere this n cannot tell the method from fp16). "
         "n: " + ", ".join(f"{t} {int(v.max())}" for t, v in n.items() if len(v)) + ".",
         "",
         PUBLISHED_NOTE,
@@ -99,20 +110,27 @@ def figure(ours, stem: Path) -> list[Path]:
             group = group.sort_values("bits_stored")
             y = group.value * group.scale
             color = method_color(name)
+            yerr = error_bars(group)
             if name == REFERENCE:
-                ax.axhline(y.iloc[0], color=color, ls="--", lw=1, label=f"{name} (16 bits)")
+                band = "; band: its 95% interval" if yerr is not None else ""
+                ax.axhline(y.iloc[0], color=color, ls="--", lw=1, label=f"{name} (16 bits{band})")
+                if yerr is not None:
+                    lo, hi = y.iloc[0] - yerr[0][0], y.iloc[0] + yerr[1][0]
+                    ax.axhspan(lo, hi, color=color, alpha=0.12, lw=0)
             elif name in ABLATIONS:
                 marker, what = ABLATIONS[name]
                 ax.scatter(group.bits_stored, y, marker=marker, s=60, facecolors="none", edgecolors=color, zorder=3)
+                if yerr is not None:
+                    ax.errorbar(group.bits_stored, y, yerr=yerr, fmt="none", ecolor=color, capsize=3, lw=1)
                 ax.plot([], [], marker=marker, ls="none", mfc="none", color=color, label=f"{name} (ablation: {what})")
             else:
-                ax.plot(group.bits_stored, y, marker="o", color=color, label=name)
+                ax.errorbar(group.bits_stored, y, yerr=yerr, marker="o", color=color, label=name, capsize=3)
                 for x, v, label in zip(group.bits_stored, y, group.method, strict=True):
                     ax.annotate(label, (x, v), fontsize=7, xytext=(3, 3), textcoords="offset points")
         unit = f" ×{first.scale:g}" if first.scale != 1 else ""
         ax.set_xlabel("bits stored per value (measured)")
         ax.set_ylabel(f"{first.metric}{unit}")
-        ax.set_title(f"{task}: {first.metric} vs bits")
+        ax.set_title(f"{task}: {first.metric} vs bits (bars: 95% intervals over examples)", fontsize=10)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     handles = {}
@@ -123,6 +141,19 @@ def figure(ours, stem: Path) -> list[Path]:
     if missing:
         fig.text(0.01, -0.16, f"not shown (see {stem.name}.md): {', '.join(missing)}", fontsize=7, color="#555555")
     return save_figure(fig, stem)
+
+
+def error_bars(group) -> list[list[float]] | None:
+    """Matplotlib's ``yerr`` (below, above) from the rows' 95% intervals: 0 for a row without one, None
+    when no row has one."""
+    if "value_lo" not in group or group.value_lo.isna().all():
+        return None
+    below, above = [], []
+    for row in group.itertuples():
+        has = not (missing(row.value_lo) or missing(row.value_hi))
+        below.append((row.value - row.value_lo) * row.scale if has else 0.0)
+        above.append((row.value_hi - row.value) * row.scale if has else 0.0)
+    return [below, above]
 
 
 def render(table, stem: Path) -> list[Path]:

@@ -4,7 +4,10 @@ Every cell is one ``experiment=evaluate`` run (``experiments/cells.py``: reused 
 exists, skipped with its reason when it cannot run), so each number carries the fidelity to fp16
 measured on the same prompts. KIVI's published Llama-2-7B numbers sit beside ours in rows labelled
 as theirs. Writes ``table_tasks.csv`` (one row per cell, plus the published rows) and
-``table_tasks.md``; ``render`` rebuilds the Markdown from the CSV alone.
+``table_tasks.md``; ``render`` rebuilds the Markdown from the CSV alone. Every number of ours is
+shown with its 95% bootstrap interval over examples where the cell has one (n ≥ 2), and a table of
+paired differences to fp16 marks the ones whose interval excludes 0 (the only ones that say a
+method scores differently from fp16 at that n).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from experiments.cells import fmt, footnotes, run_table
+from experiments.cells import FIDELITY, excludes_zero, fmt, fmt_ci, footnotes, run_table
+from kvquant.eval.intervals import MIN_N_CLAIM
 
 NAME = "table_tasks"
 PUBLISHED_SOURCE = "published (Llama-2-7B, KIVI paper)"
@@ -62,10 +66,45 @@ def published_rows(ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def col(row, name: str):
+    """``row.<name>``, None in a CSV written before that column existed (intervals, paired differences)."""
+    return getattr(row, name, None)
+
+
 def _cell_text(row, notes: dict[str, int]) -> str:
     if isinstance(row.reason, str):
         return f"{'skipped' if row.status == 'skipped' else '–'} [{notes[row.reason]}]"
-    return fmt(row.value * row.scale)
+    return fmt_ci(row.value, col(row, "value_lo"), col(row, "value_hi"), scale=row.scale)
+
+
+def _paired_text(row) -> str:
+    lo, hi = col(row, "paired_lo"), col(row, "paired_hi")
+    text = fmt_ci(col(row, "paired"), lo, hi, scale=row.scale, sign=True)
+    return text + (" *" if excludes_zero(lo, hi, row.n) else "")
+
+
+def paired_lines(ours, tasks: list[str]) -> list[str]:
+    """Method − fp16 on the same examples, per task, with the paired interval (fp16 and skipped cells left out)."""
+    done = ours[(ours.method_name != "fp16") & (ours.status != "skipped")]
+    if not len(done) or "paired" not in done or done.paired.isna().all():  # a CSV from before paired differences
+        return []
+    lines = [
+        "",
+        "## Difference to fp16 (paired: the same examples, 95% bootstrap interval)",
+        "",
+        "| method | " + " | ".join(tasks) + " |",
+        "|---" * (1 + len(tasks)) + "|",
+    ]
+    for method in dict.fromkeys(done.method):
+        rows = done[done.method == method].set_index("task")
+        cells = [_paired_text(rows.loc[t]) if t in rows.index else "–" for t in tasks]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines + [
+        "",
+        f"\\* the interval excludes 0 and n ≥ {MIN_N_CLAIM}: the method's score differs from fp16's beyond "
+        "resampling noise; elsewhere this n cannot tell it from fp16's (below that n the bootstrap interval is "
+        "too narrow to trust; no interval: n < 2, or a results.json from before intervals).",
+    ]
 
 
 def render(table, stem: Path) -> list[Path]:
@@ -101,8 +140,11 @@ def render(table, stem: Path) -> list[Path]:
         "n (examples per cell): " + ", ".join(f"{t} {int(n.max())}" for t, n in n_by_task.items() if len(n)) + ".",
         f"The {PUBLISHED_SOURCE} rows are their numbers on their model and full task sets, not ours; "
         "our metric per column is in its header (×100: a fraction shown as %). "
-        "Small n: read the fidelity table below, which is meaningful at any model size.",
+        "Small n: read the fidelity table below, which is meaningful at any model size. "
+        "Brackets: 95% percentile-bootstrap interval over examples (fixed seed); none where n < 2; zero width "
+        "where every example scored the same (the bootstrap sees no spread: for 0 of n read 3/n as the bound).",
         *(["", *note_lines] if note_lines else []),
+        *paired_lines(ours, tasks),
         "",
         "## Fidelity to fp16 (same prompts; fp16 is the reference)",
         "",
@@ -111,7 +153,12 @@ def render(table, stem: Path) -> list[Path]:
     ]
     for row in ours[ours.status != "skipped"].itertuples():
         values = [str(int(row.n)) if row.n == row.n else "–"]
-        values += [fmt(getattr(row, k), 4 if k in ("kl",) else 3) for k in list(FIDELITY_HEAD)[1:-1]]
+        for key in list(FIDELITY_HEAD)[1:-1]:
+            digits = 4 if key == "kl" else 3
+            if key in FIDELITY:
+                values.append(fmt_ci(getattr(row, key), col(row, f"{key}_lo"), col(row, f"{key}_hi"), digits))
+            else:
+                values.append(fmt(getattr(row, key), digits))
         values.append(fmt(row.wall_s, 1))
         lines.append(f"| {row.method} | {row.task} | " + " | ".join(values) + " |")
     path = stem.with_suffix(".md")

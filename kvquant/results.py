@@ -3,7 +3,8 @@
 A run's identity is the hash of its resolved config minus where it writes (``results_dir``,
 ``hydra``), whether it forces (``rerun``) and how it is logged (``logger``): a sweep that finds a
 results.json with the same hash skips that run. ``python -m kvquant.results DIR`` collects every
-results.json under DIR into one table.
+results.json under DIR into one table, each 95% interval as two columns (``ci95/<block>/<name>/lo``
+and ``/hi``; absent for runs written before intervals existed or with one example).
 """
 
 from __future__ import annotations
@@ -118,8 +119,20 @@ def flatten(obj: dict[str, Any], prefix: str = "", sep: str = "/") -> dict[str, 
     return out
 
 
+def split_intervals(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"ci95/metrics/ppl": [lo, hi]}`` → ``{"ci95/metrics/ppl/lo": lo, "ci95/metrics/ppl/hi": hi}``."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith("ci95/") and isinstance(value, (list, tuple)) and len(value) == 2:
+            out[f"{key}/lo"], out[f"{key}/hi"] = value
+        else:
+            out[key] = value
+    return out
+
+
 def collect(root: str | os.PathLike):
-    """Every results.json under ``root`` as one pandas DataFrame (one row per run, config excluded)."""
+    """Every results.json under ``root`` as one pandas DataFrame (one row per run, config excluded,
+    intervals split into ``…/lo`` and ``…/hi`` columns)."""
     import pandas as pd
 
     rows = []
@@ -130,7 +143,7 @@ def collect(root: str | os.PathLike):
             print(f"skipping unreadable {path}: {exc}", file=sys.stderr)
             continue
         data.pop("config", None)
-        rows.append({"path": str(path.parent), **flatten(data)})
+        rows.append({"path": str(path.parent), **split_intervals(flatten(data))})
     return pd.DataFrame(rows)
 
 
@@ -140,8 +153,9 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", help="also write the table to this CSV file")
     parser.add_argument(
         "--columns",
-        default="model/name,method/name,task/name,metrics/ppl,fidelity/greedy_match,"
-        "fidelity/kl,bits/stored,bits/read,timing/decode_tok_s",
+        default="model/name,method/name,task/name,metrics/ppl,ci95/metrics/ppl/lo,ci95/metrics/ppl/hi,"
+        "fidelity/greedy_match,fidelity/kl,ci95/fidelity/kl/lo,ci95/fidelity/kl/hi,bits/stored,bits/read,"
+        "timing/decode_tok_s",
         help="comma-separated columns to print ('all' for every column)",
     )
     args = parser.parse_args(argv)

@@ -7,7 +7,10 @@ One W&B run per results.json, named so a dashboard compares methods without edit
 - config = the resolved Hydra config flattened with dots (``method.name``, ``task.limit``), plus
   ``config_hash`` and ``env.*``, so the runs table groups and filters by any of them;
 - metrics ``<task>/<metric>`` (``gsm8k/exact_match,strict-match``), ``fidelity/…``, ``bits/…``,
-  ``memory/…``, ``timing/…``; the other results.json blocks land in the summary as ``<block>/…``;
+  ``memory/…``, ``timing/…``; each one with a 95% interval also as ``<name>/ci95_lo``,
+  ``<name>/ci95_hi`` and ``<name>/n``, and the paired difference to fp16 as ``<task>/<metric>/vs_fp16``
+  (with its own ``/ci95_lo``, ``/ci95_hi``, ``/n``); the other results.json blocks land in the
+  summary as ``<block>/…``;
 - media: every PNG in the run folder as ``figures/<stem>``, every CSV and Markdown table as
   ``tables/<stem>``, plus ``tables/results``, ``tables/examples`` and ``tables/bits_by_position``.
 """
@@ -25,6 +28,7 @@ from typing import Any
 from kvquant.results import flatten
 
 METRIC_BLOCKS = ("fidelity", "bits", "memory", "timing")
+INTERVAL_BLOCKS = ("paired", "ci95", "n")  # results.json's interval blocks, logged beside the numbers they qualify
 MAX_TABLE_ROWS = 10_000  # W&B refuses larger tables
 SKIPPED_DIRS = {"wandb", ".hydra", ".submitit"}
 
@@ -72,12 +76,29 @@ def metric_names(results: dict[str, Any]) -> dict[str, Any]:
     out = {f"{task}/{k}": v for k, v in flatten(results.get("metrics") or {}).items()}
     for block in METRIC_BLOCKS:
         out.update(flatten(results.get(block) or {}, block))
+    out.update(interval_names(results, task))
     return {k: v for k, v in out.items() if _scalar(v)}
+
+
+def interval_names(results: dict[str, Any], task: str) -> dict[str, Any]:
+    """The ``paired``, ``ci95`` and ``n`` blocks under the W&B name of the number each qualifies
+    (absent in results.json files written before intervals existed: then nothing)."""
+
+    def name(key: str) -> str:
+        block, _, metric = key.partition("/")
+        return {"metrics": f"{task}/{metric}", "paired": f"{task}/{metric}/vs_fp16"}.get(block, key)
+
+    out: dict[str, Any] = {name(f"paired/{k}"): v for k, v in (results.get("paired") or {}).items()}
+    for key, pair in (results.get("ci95") or {}).items():
+        if isinstance(pair, (list, tuple)) and len(pair) == 2:
+            out[f"{name(key)}/ci95_lo"], out[f"{name(key)}/ci95_hi"] = pair
+    out.update({f"{name(key)}/n": n for key, n in (results.get("n") or {}).items()})
+    return out
 
 
 def summary_extras(results: dict[str, Any]) -> dict[str, Any]:
     """The other blocks' scalars (``model/params``, ``task/n``, ``env/host``, …)."""
-    skipped = {"config", "config_hash", "metrics", "bits_by_position", *METRIC_BLOCKS}
+    skipped = {"config", "config_hash", "metrics", "bits_by_position", *METRIC_BLOCKS, *INTERVAL_BLOCKS}
     rest = {k: v for k, v in results.items() if k not in skipped and isinstance(v, dict)}
     return {k: v for k, v in flatten(rest).items() if _scalar(v)}
 

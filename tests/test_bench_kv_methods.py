@@ -32,7 +32,10 @@ def test_every_cache_timed_against_fp16_in_the_same_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = read_table(tmp_path / "fig" / "bench_kv_methods.csv")
     decode = table[table.part == "decode"]
-    assert list(decode.cache) == ["fp16", "truncation", "kivi2@torch", "hf_dynamic"] * 2 and set(decode.context) == {64, 128}
+    assert list(decode.cache) == ["fp16", "truncation", "kivi2@torch", "hf_dynamic"] * 2 and set(decode.context) == {
+        64,
+        128,
+    }
     for _, rows in decode.groupby("context"):
         by = rows.set_index("cache")
         assert by.ratio_fp16["fp16"] == 1.0 and by.ratio_hf_dynamic["hf_dynamic"] == 1.0

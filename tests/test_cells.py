@@ -83,3 +83,38 @@ def test_cells_reuse_a_sweep_compute_the_rest_and_run_py_agrees(tmp_path, monkey
     # run.py, given the cell's own command line, finds the cell's results.json and skips.
     line = command(cells[2], base).split()[2:]
     assert run_ok(tmp_path, *line).stdout.startswith("skip: results for this config already exist at")
+
+
+def test_cell_row_carries_intervals_and_reads_results_without_them():
+    from pathlib import Path
+
+    from experiments.cells import FIDELITY, Cell, CellResult, cell_row
+
+    cell = Cell("kivi2", "kivi2", "wikitext", "wikitext")
+    data = {
+        "task": {"n": 4},
+        "metrics": {"ppl": 10.0},
+        "fidelity": {"kl": 0.1},
+        "paired": {"ppl": 1.0},
+        "ci95": {"metrics/ppl": [9.0, 11.0], "paired/ppl": [0.5, 1.5], "fidelity/kl": [0.05, 0.2]},
+        "n": {"metrics/ppl": 4, "paired/ppl": 4, "fidelity/kl": 4},
+    }
+    row = cell_row(CellResult(cell, "reused", "h", Path("x/results.json"), data), "ppl")
+    assert (row["value"], row["value_lo"], row["value_hi"], row["n"]) == (10.0, 9.0, 11.0, 4)
+    assert (row["paired"], row["paired_lo"], row["paired_hi"]) == (1.0, 0.5, 1.5)
+    assert (row["kl"], row["kl_lo"], row["kl_hi"]) == (0.1, 0.05, 0.2) and row["greedy_match_lo"] is None
+    old = {k: v for k, v in data.items() if k not in ("paired", "ci95", "n")}  # committed before intervals
+    row = cell_row(CellResult(cell, "reused", "h", Path("x/results.json"), old), "ppl")
+    assert row["value"] == 10.0 and row["paired"] is None
+    assert all(row[f"{name}_{end}"] is None for name in FIDELITY for end in ("lo", "hi"))
+
+
+def test_a_difference_is_claimed_only_off_zero_and_from_enough_examples():
+    from experiments.cells import excludes_zero, fmt_ci
+    from kvquant.eval.intervals import MIN_N_CLAIM
+
+    assert excludes_zero(0.1, 0.5, MIN_N_CLAIM) and excludes_zero(-0.5, -0.1, 50)
+    assert not excludes_zero(-0.1, 0.5, 50) and not excludes_zero(0.1, 0.5, 2)  # n = 2: the bootstrap is too narrow
+    assert not excludes_zero(float("nan"), float("nan"), 50)
+    assert fmt_ci(0.5, 0.4, 0.6, scale=100) == "50.00 [40.00, 60.00]" and fmt_ci(0.5, None, None) == "0.50"
+    assert fmt_ci(0.01, -0.02, 0.03, 3, sign=True) == "+0.010 [-0.020, +0.030]" and fmt_ci(None, 1, 2) == "–"

@@ -29,6 +29,14 @@ def test_truthfulqa_mc2_limit_2_is_fast_and_quantization_reaches_the_loglikeliho
     assert out.fidelity["kl"] > 1e-3 and out.fidelity["top1_agreement"] < 1.0
     assert out.counts.summary()["bits_read"] == 9.0
     assert {"fp16_answer", "agrees_with_fp16", "fidelity", "answer", "mc2"} <= set(out.examples[0])
+    # Intervals over the 2 questions (fidelity resampled by question with all its choices), mc2 paired with fp16.
+    for block, values in (("metrics", out.metrics), ("fidelity", out.fidelity)):
+        for name, value in values.items():
+            lo, hi = out.ci95[f"{block}/{name}"]
+            assert out.n_by_key[f"{block}/{name}"] == 2 and lo <= value <= hi
+    assert out.paired["mc2"] == pytest.approx(out.metrics["mc2"] - ref.metrics["mc2"])
+    assert out.ci95["paired/mc2"][0] <= out.paired["mc2"] <= out.ci95["paired/mc2"][1]
+    assert ref.ci95["paired/mc2"] == [0.0, 0.0]  # fp16 against itself
 
 
 def test_gsm8k_limit_2_is_fast_and_quantization_reaches_the_generations(stories, lossy):

@@ -32,6 +32,9 @@ def test_longbench_truncates_long_prompts_counts_them_and_scores(stories):
     assert all(e["prompt_tokens"] == 300 for e in result.examples)
     assert set(result.metrics) == {"trec", "passage_retrieval_en", "longbench_avg"}
     assert result.info["generation_capped"] == 0
+    # One example per task: n is written, but no interval (resampling within a task of one says nothing).
+    assert result.n_by_key == {"metrics/trec": 1, "metrics/passage_retrieval_en": 1, "metrics/longbench_avg": 2}
+    assert result.ci95 == {}
 
 
 def test_longbench_caps_generation_and_counts_it(stories):

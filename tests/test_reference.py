@@ -32,11 +32,15 @@ def test_token_match_and_first_divergence():
 
 def test_reference_round_trip_and_fidelity_stats(tmp_path):
     p = logprobs(2)
-    ref = r.Reference(answers={"t/0": "42"})
+    ref = r.Reference(answers={"t/0": "42"}, values={"t/0": {"score": 0.5, "task": "trec"}})
     ref.units["t/0#0"] = r.UnitRecord.from_logprobs(p.argmax(-1), p, generated=True)
     path = ref.save(tmp_path / "a" / "ref.pt")
     back = r.Reference.load(path)
-    assert back.answers == {"t/0": "42"} and torch.equal(back.units["t/0#0"].top_ids, ref.units["t/0#0"].top_ids)
+    assert (
+        back.answers == {"t/0": "42"}
+        and back.values == ref.values
+        and torch.equal(back.units["t/0#0"].top_ids, ref.units["t/0#0"].top_ids)
+    )
     assert r.Reference.load(tmp_path / "missing.pt") is None
     stats = r.FidelityStats()
     stats.add("t/0#0", back.units["t/0#0"], p.argmax(-1), p, generated=True)

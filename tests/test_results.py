@@ -54,6 +54,24 @@ def test_find_and_collect(tmp_path):
     assert list(table["method/name"]) == ["fp16", "kivi"] and list(table["metrics/ppl"]) == [4.0, 5.0]
 
 
+def test_collect_splits_intervals_and_tolerates_runs_without_them(tmp_path):
+    results.write_results(
+        tmp_path / "new",
+        {
+            "config_hash": "h1",
+            "metrics": {"ppl": 5.0},
+            "paired": {"ppl": 0.5},
+            "ci95": {"metrics/ppl": [4.5, 5.5], "paired/ppl": [0.1, 0.9]},
+            "n": {"metrics/ppl": 8, "paired/ppl": 8},
+        },
+    )
+    results.write_results(tmp_path / "old", {"config_hash": "h0", "metrics": {"ppl": 4.0}})  # before intervals
+    table = results.collect(tmp_path).set_index("config_hash")
+    assert table.loc["h1", "ci95/metrics/ppl/lo"] == 4.5 and table.loc["h1", "ci95/paired/ppl/hi"] == 0.9
+    assert table.loc["h1", "n/metrics/ppl"] == 8 and table.loc["h1", "paired/ppl"] == 0.5
+    assert table[["ci95/metrics/ppl/lo", "n/metrics/ppl"]].loc["h0"].isna().all()
+
+
 def test_collect_cli_writes_csv(tmp_path, capsys):
     results.write_results(
         tmp_path / "r",

@@ -62,8 +62,8 @@ def test_bad_parameter_is_one_line(tmp_path):
     [
         (
             ["method=kivi2", "method.grup_size=8"],
-            "error: method 'kivi2' has no parameter 'grup_size'; its parameters are: bits, group_size, residual "
-            "(conf/method/kivi2.yaml)",
+            "error: method 'kivi2' has no parameter 'grup_size'; its parameters are: bits, group_size, residual, "
+            "backend (conf/method/kivi2.yaml)",
         ),
         (["method=alignedkv", "method.margin=abc"], "error: method 'alignedkv': parameter 'margin' expects float"),
         (["+method.grup_size=8", "method=kivi2"], "error: method 'kivi2': got an unexpected keyword argument"),

@@ -50,6 +50,9 @@ def test_every_method_runs_through_the_task(stories, predictor_dir, tmp_path_fac
 
     assert result.n >= 1 and result.metrics
     assert all(math.isfinite(v) for v in result.metrics.values() if isinstance(v, float))
+    # one example: n is written for every number, but no interval (n = 1 says nothing about spread)
+    assert result.n_by_key and set(result.n_by_key.values()) == {result.n} == {1} and result.ci95 == {}
+    assert set(result.paired) == (set() if name == "fp16" else set(result.metrics))
     summary = result.counts.summary()
     assert summary["elements"] > 0  # the task's K/V went through this method's cache
     if name == "fp16":

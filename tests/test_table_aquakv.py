@@ -5,6 +5,7 @@ import json
 import pandas as pd
 from conftest import run_experiment
 
+from experiments.cells import fmt_ci
 from experiments.table_aquakv import PUBLISHED_NOTE, render
 from kvquant import get_method, load_model
 from kvquant.methods.aquakv import model_identity
@@ -14,7 +15,8 @@ GRID = [
     "~experiment.methods",
     "+experiment.methods={fp16:{},higgs2:{name:higgs,bits:2},higgs4:{name:higgs,bits:4},aquakv2:{name:aquakv,bits:2},"
     "aquakv_k_only2:{name:aquakv_k_only,bits:2},kivi2:{group_size:8,residual:32}}",
-    "experiment.tasks.wikitext.window=400",
+    "experiment.tasks.wikitext.window=200",
+    "experiment.tasks.wikitext.limit=2",
     "experiment.tasks.longbench.tasks=[trec]",
     "experiment.tasks.longbench.max_length=300",
 ]
@@ -37,6 +39,13 @@ def test_aquakv_table_equals_its_cells_with_the_ablation_skipped(tmp_path, monke
         data = json.loads((tmp_path / row.results).read_text())  # relative to where run.py ran
         assert float(row.value) == data["metrics"][row.metric] and row.n == data["task"]["n"]
         assert row.bits_stored == data["bits"]["stored"] and row.bits_analytic == data["bits"]["analytic_stored"]
+        assert data["n"][f"metrics/{row.metric}"] == row.n == (2 if row.task == "wikitext" else 1)
+        if row.task == "wikitext":  # two windows: the perplexity's interval, and its paired difference to fp16
+            assert [row.value_lo, row.value_hi] == data["ci95"][
+                "metrics/ppl"
+            ] and row.value_lo <= row.value <= row.value_hi
+            if row.method != "fp16":
+                assert row.paired_lo <= row.paired <= row.paired_hi and row.kl_lo <= row.kl <= row.kl_hi
     assert list(table[table.status == "skipped"].method) == ["aquakv_k_only2"] * 2
     assert "calibrate first: python run.py experiment=calibrate method=aquakv_k_only" in by.reason.dropna().iloc[0]
 
@@ -50,8 +59,12 @@ def test_aquakv_table_equals_its_cells_with_the_ablation_skipped(tmp_path, monke
     text = (fig / "table_aquakv.md").read_text()
     change = 100 * (ppl["higgs2"].value / ppl["fp16"].value - 1)
     row = ppl["higgs2"]
-    assert f"| higgs2 | {row.bits_stored:.3f} | 2.500 | {row.value:.3f} | {change:+.2f}% | {row.kl:.4f} |" in text
-    assert "| aquakv_k_only2 | skipped [1] | – | – | – | – | skipped [1] |" in text and PUBLISHED_NOTE in text
+    value = fmt_ci(row.value, row.value_lo, row.value_hi, 3)
+    paired = fmt_ci(row.paired, row.paired_lo, row.paired_hi, 3, sign=True)
+    kl = fmt_ci(row.kl, row.kl_lo, row.kl_hi, 4)
+    assert f"| higgs2 | {row.bits_stored:.3f} | 2.500 | {value} | {change:+.2f}% | {paired}" in text
+    assert f" | {kl} |" in text and "[" in value and "[" in paired and "[" in kl
+    assert "| aquakv_k_only2 | skipped [1] | – | – | – | – | – | skipped [1] |" in text and PUBLISHED_NOTE in text
     for suffix in (".png", ".pdf", ".md", ".csv"):
         assert (fig / f"table_aquakv{suffix}").stat().st_size > 0
     again = render(table, tmp_path / "again" / "table_aquakv")

@@ -1,11 +1,14 @@
-"""experiments/table_tasks.py through run.py on stories260k: numbers equal their cells, cells are reused."""
+"""experiments/table_tasks.py through run.py on stories260k: numbers (and their intervals) equal their cells,
+cells are reused."""
 
 import json
 import math
 
 import pandas as pd
+import pytest
 from conftest import run_experiment
 
+from experiments.cells import fmt_ci
 from experiments.table_tasks import PUBLISHED, PUBLISHED_SOURCE, render
 
 GRID = [
@@ -13,8 +16,8 @@ GRID = [
     "~experiment.methods",
     "+experiment.methods={fp16:{},kivi2:{group_size:8,residual:32},truncation:{keep_bits:11},aquakv:{}}",
     "~experiment.tasks",
-    "+experiment.tasks={coqa:{limit:1},gsm8k:{limit:1,max_gen_toks:12},truthfulqa_mc2:{limit:1},"
-    "wikitext:{limit:1,window:160}}",
+    "+experiment.tasks={coqa:{limit:1},gsm8k:{limit:1,max_gen_toks:12},truthfulqa_mc2:{limit:2},"
+    "wikitext:{limit:2,window:160}}",
 ]
 FIDELITY = ["greedy_match", "first_divergence", "kl", "top1_agreement", "answer_agreement"]
 
@@ -40,6 +43,7 @@ def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
 
     done = ours[ours.status == "computed"]
     assert len(done) == 3 * 3  # coqa is offline, aquakv has no predictors
+    by = done.set_index(["method", "task"])
     for row in done.itertuples():
         data = json.loads((tmp_path / row.results).read_text())  # relative to where run.py ran
         assert data["config_hash"] == row.config_hash and data["method"]["name"] == row.method_name
@@ -51,7 +55,21 @@ def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
         if row.task == "gsm8k":  # evaluate wrote the per-example outputs into the cell's folder
             assert data["examples"] == {"file": "examples.jsonl", "n": 1}
             assert (tmp_path / row.results).with_name("examples.jsonl").is_file()
-    by = done.set_index(["method", "task"])
+        # every number carries n; from two examples on, its interval, which holds it
+        assert data["n"][f"metrics/{row.metric}"] == row.n == (2 if row.task in ("truthfulqa_mc2", "wikitext") else 1)
+        assert all(data["n"][f"fidelity/{k}"] == row.n for k in data.get("fidelity", {}))
+        if row.n < 2:
+            assert "ci95" not in data and math.isnan(row.value_lo) and math.isnan(row.paired_lo)
+            continue
+        assert [row.value_lo, row.value_hi] == data["ci95"][f"metrics/{row.metric}"]
+        assert row.value_lo <= row.value <= row.value_hi
+        for key, value in data.get("fidelity", {}).items():
+            lo, hi = data["ci95"][f"fidelity/{key}"]
+            assert same(getattr(row, f"{key}_lo"), lo) and lo <= value <= hi
+        if row.method != "fp16":  # the paired difference to fp16 on the same examples
+            fp16 = json.loads((tmp_path / by.loc[("fp16", row.task)].results).read_text())
+            assert row.paired == pytest.approx(row.value - fp16["metrics"][row.metric])
+            assert row.paired_lo <= row.paired <= row.paired_hi and data["n"][f"paired/{row.metric}"] == 2
     assert by.loc[("fp16", "wikitext")].bits_stored == 16 and math.isnan(by.loc[("fp16", "wikitext")].kl)
     assert by.loc[("kivi2", "wikitext")].kl > by.loc[("truncation", "wikitext")].kl > 0
     assert by.loc[("truncation", "gsm8k")].bits_read == 11 and by.loc[("kivi2", "gsm8k")].bits_stored < 16
@@ -76,12 +94,19 @@ def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
     for row in ours.itertuples():
         col = ["coqa", "gsm8k", "truthfulqa_mc2", "wikitext"].index(row.task)
         shown = f"skipped {notes[row.reason]}" if row.status == "skipped" else f"{row.value * row.scale:.2f}"
+        if row.n == 2:
+            shown += f" [{row.value_lo * row.scale:.2f}, {row.value_hi * row.scale:.2f}]"
         assert rows[row.method][col] == shown
     assert rows[f"kivi2, {PUBLISHED_SOURCE}"] == ["63.05", "12.74", "", ""]
     assert (
         "gsm8k: exact_match_strict ×100" in text
-        and f"| kivi2 | wikitext | 1 | – | – | {by.loc[('kivi2', 'wikitext')].kl:.4f}" in text
+        and f"| kivi2 | wikitext | 2 | – | – | {by.loc[('kivi2', 'wikitext')].kl:.4f} [" in text
     )
+    kivi = by.loc[("kivi2", "wikitext")]
+    paired = markdown_rows(text.split("## Difference to fp16")[1])  # method − fp16 with its interval
+    expected = fmt_ci(kivi.paired, kivi.paired_lo, kivi.paired_hi, sign=True)
+    assert paired["kivi2"][0] == "–" and paired["kivi2"][3].removesuffix(" *") == expected
+    assert "fp16" not in paired and "aquakv" not in paired
     assert (tmp_path / "fig" / "table_tasks.md").read_text() == render(table, tmp_path / "again" / "t")[0].read_text()
 
     [run] = [p for p in (tmp_path / "out" / "runs").glob("*/*/results.json")]

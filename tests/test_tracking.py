@@ -24,6 +24,13 @@ RESULTS = {
     "task": {"name": "gsm8k", "n": 5},
     "metrics": {"exact_match,strict-match": 0.4, "exact_match,flexible-extract": 0.6},
     "fidelity": {"greedy_match": 0.9, "kl": 0.01},
+    "paired": {"exact_match,strict-match": -0.2},
+    "ci95": {
+        "metrics/exact_match,strict-match": [0.0, 0.8],
+        "fidelity/kl": [0.005, 0.02],
+        "paired/exact_match,strict-match": [-0.6, 0.2],
+    },
+    "n": {"metrics/exact_match,strict-match": 5, "fidelity/kl": 5, "paired/exact_match,strict-match": 5},
     "bits": {"stored": 3.41, "read": 3.41, "widths_k": {"2": 1.0}},
     "memory": {"kv_bytes": 1000.0, "kv_bytes_fp16": 4000.0},
     "timing": {"wall_s": 1.5},
@@ -57,7 +64,14 @@ def test_names_follow_task_metric_and_block_prefixes():
     assert names["gsm8k/exact_match,strict-match"] == 0.4
     assert names["fidelity/kl"] == 0.01 and names["bits/stored"] == 3.41 and names["bits/widths_k/2"] == 1.0
     assert names["memory/kv_bytes"] == 1000.0 and names["timing/wall_s"] == 1.5
-    assert not any(k.startswith(("metrics/", "env/", "model/")) for k in names)
+    assert not any(k.startswith(("metrics/", "env/", "model/", "ci95/", "n/", "paired/")) for k in names)
+    # intervals beside the numbers they qualify, under those numbers' names
+    assert names["gsm8k/exact_match,strict-match/ci95_lo"] == 0.0 and names["gsm8k/exact_match,strict-match/n"] == 5
+    assert names["fidelity/kl/ci95_hi"] == 0.02 and names["fidelity/kl/n"] == 5
+    assert names["gsm8k/exact_match,strict-match/vs_fp16"] == -0.2
+    assert names["gsm8k/exact_match,strict-match/vs_fp16/ci95_lo"] == -0.6
+    old = {k: v for k, v in RESULTS.items() if k not in ("paired", "ci95", "n")}  # a results.json from before
+    assert not any("ci95" in k or k.endswith("/n") for k in metric_names(old))
     assert run_tags(RESULTS, "evaluate") == ["model:stories260k", "method:kivi2", "task:gsm8k", "experiment:evaluate"]
     config = wandb_config(RESULTS)
     assert config["method.name"] == "kivi2" and config["task.limit"] == 5 and config["env.host"] == "vm"
@@ -95,6 +109,9 @@ def test_offline_run_holds_names_tags_group_and_media(tmp_path, monkeypatch):
     assert summary["gsm8k/exact_match,flexible-extract"] == pytest.approx(0.6)
     assert summary["fidelity/kl"] == pytest.approx(0.01) and summary["bits/read"] == pytest.approx(3.41)
     assert summary["memory/kv_bytes_fp16"] == 4000 and summary["model/params"] == 260032
+    assert summary["fidelity/kl/ci95_lo"] == pytest.approx(0.005) and summary["fidelity/kl/n"] == 5
+    assert summary["gsm8k/exact_match,strict-match/vs_fp16/ci95_hi"] == pytest.approx(0.2)
+    assert not any(k.startswith(("ci95/", "n/")) for k in summary)
     [step] = run["history"]
     assert step["timing/wall_s"] == pytest.approx(1.5)
     assert step["figures/fig_bitwidth"]["_type"] == "image-file"

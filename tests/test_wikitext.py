@@ -22,6 +22,16 @@ def test_wikitext_perplexity_budget_and_reference_cached_once(stories, tmp_path,
     assert passes == ["truncation"]  # the reference came from disk
     assert out.metrics["ppl"] != ref.metrics["ppl"] and out.fidelity["kl"] > 1e-3
     assert "answer_agreement" not in out.fidelity  # perplexity has no answers
+    # Intervals over the 2 windows, fidelity clustered by window, perplexity paired with fp16's on the same windows.
+    assert ref.n_by_key == {"metrics/ppl": 2, "metrics/nll": 2} and not ref.paired
+    for result, block in ((ref, ref.metrics), (out, out.metrics), (out, out.fidelity)):
+        for name, value in block.items():
+            key = f"{'metrics' if block is result.metrics else 'fidelity'}/{name}"
+            if name != "ppl_tokens":
+                assert result.n_by_key[key] == 2 and result.ci95[key][0] <= value <= result.ci95[key][1], key
+    assert out.paired["ppl"] == pytest.approx(out.metrics["ppl"] - ref.metrics["ppl"])
+    assert out.ci95["paired/ppl"][0] <= out.paired["ppl"] <= out.ci95["paired/ppl"][1]
+    assert "interval_problems" not in out.info
     same = task.run(model, tok, get_method("fp16"), get_method("fp16"), reference_dir=tmp_path)
     assert same.fidelity == {"kl": 0.0, "top1_agreement": 1.0} and len(list(tmp_path.rglob("*.pt"))) == 1
 

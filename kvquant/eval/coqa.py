@@ -10,9 +10,13 @@ official CoQA script (``kvquant.eval.scorers.coqa_scores``) over the answer and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from tqdm.auto import tqdm
 
 from kvquant.errors import KvquantError
+from kvquant.eval import intervals
 from kvquant.eval.engine import Engine
 from kvquant.eval.scorers import coqa_scores
 from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
@@ -73,7 +77,13 @@ class CoQATask(SuiteTask):
             scores = coqa_scores(answer, golds)
             examples.append({"id": uid, "output": out, "answer": answer, "golds": golds, **scores})
         metrics = {"em": 100 * mean([e["em"] for e in examples]), "f1": 100 * mean([e["f1"] for e in examples])}
-        return Evaluation(metrics, examples)
+        return Evaluation(metrics, examples, keys=("em", "f1"))
+
+    def estimators(
+        self, rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = ("em", "f1")
+    ) -> dict[str, intervals.Estimator]:
+        """EM and F1 in %, as the metrics are reported."""
+        return {k: intervals.mean([r[k] for r in rows], scale=100) for k in keys}
 
 
 register_task("coqa", CoQATask)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvquant.cache import CacheCounts
+from kvquant.eval import intervals
 
 
 @dataclass
@@ -115,18 +116,26 @@ class FidelityRun:
         self.top1.append((reference.logprobs.argmax(-1) == forced.logprobs.argmax(-1)).float().mean().item())
         self.decodes.append(free)
 
+    def per_prompt(self) -> dict[str, list[float]]:
+        """Each summary number's value per prompt (what its interval resamples)."""
+        n_new = self.decodes[0].tokens.numel() if self.decodes else 0
+        return {
+            "greedy_match": list(self.matches),
+            "first_divergence": [float(d) for d in self.first_divergence],
+            "prompts_identical": [float(d == n_new) for d in self.first_divergence],
+            "kl": list(self.kl),
+            "top1_agreement": list(self.top1),
+        }
+
     def summary(self) -> dict[str, float]:
         def mean(xs: Sequence[float]) -> float:
             return float(sum(xs) / len(xs)) if xs else float("nan")
 
-        n_new = self.decodes[0].tokens.numel() if self.decodes else 0
-        return {
-            "greedy_match": mean(self.matches),
-            "first_divergence": mean(self.first_divergence),
-            "prompts_identical": mean([float(d == n_new) for d in self.first_divergence]),
-            "kl": mean(self.kl),
-            "top1_agreement": mean(self.top1),
-        }
+        return {name: mean(values) for name, values in self.per_prompt().items()}
+
+    def estimators(self) -> dict[str, intervals.Estimator]:
+        """The summary's numbers as means over prompts, for their intervals (prompts are the examples)."""
+        return {name: intervals.mean(values) for name, values in self.per_prompt().items() if values}
 
 
 def compare_to_reference(

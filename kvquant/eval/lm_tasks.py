@@ -150,7 +150,9 @@ class LmEvalTask(SuiteTask):
                     **{m: float(sample[m]) for m in metric_names if m in sample},
                 }
             )
-        return Evaluation(metrics, examples, {"num_fewshot": cfg.get("num_fewshot", 0)})
+        # Every metric of our YAMLs aggregates by mean, so the per-sample values give the intervals
+        # (kvquant.eval.intervals, paired with fp16); lm-eval's own stderr stays off (bootstrap_iters=0).
+        return Evaluation(metrics, examples, {"num_fewshot": cfg.get("num_fewshot", 0)}, tuple(metric_names))
 
 
 class Gsm8kTask(LmEvalTask):

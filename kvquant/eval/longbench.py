@@ -12,16 +12,21 @@ Plain prompts, no chat template (LongBench's ``build_chat`` is model-specific). 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from tqdm.auto import tqdm
 
 from kvquant.data import longbench, longbench_config, longbench_tasks
 from kvquant.errors import InvalidParameterError
+from kvquant.eval import intervals
 from kvquant.eval.engine import Engine
 from kvquant.eval.scorers import LONGBENCH_METRICS, longbench_score
 from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
 from kvquant.eval.tasks import register_task
 
 TAIL = 400
+KEYS = ("task", "score")  # what the scores are computed from
 
 
 def middle_truncate(ids: list[int], max_length: int) -> list[int]:
@@ -99,9 +104,19 @@ class LongBenchTask(SuiteTask):
                 metrics[task] = 100 * mean(scores)
                 n_by_task[task] = len(scores)
         metrics["longbench_avg"] = mean([metrics[t] for t in n_by_task])
-        return Evaluation(
-            metrics, examples, {"n_by_task": n_by_task, "middle_truncated": middle_cut, "generation_capped": gen_capped}
-        )
+        info = {"n_by_task": n_by_task, "middle_truncated": middle_cut, "generation_capped": gen_capped}
+        return Evaluation(metrics, examples, info, KEYS)
+
+    def estimators(
+        self, rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEYS
+    ) -> dict[str, intervals.Estimator]:
+        """Each task's score ×100, and their average: resampled within each task (so every task keeps its n)."""
+        out = {}
+        for task in dict.fromkeys(r["task"] for r in rows):
+            out[task] = intervals.mean([r["score"] for r in rows if r["task"] == task], scale=100)
+        if rows:
+            out["longbench_avg"] = intervals.mean([r["score"] for r in rows], 100, [r["task"] for r in rows])
+        return out
 
 
 register_task("longbench", LongBenchTask)

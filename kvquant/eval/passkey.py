@@ -12,11 +12,14 @@ number generated equals N. A length equal to the model's context leaves room for
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from kvquant.data import tinystories_pieces, wikitext2_test
 from kvquant.errors import InvalidParameterError
+from kvquant.eval import intervals
 from kvquant.eval.engine import Engine, bos_prefix
 from kvquant.eval.scorers import first_number, passkey_match
 from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
@@ -28,6 +31,7 @@ INSTRUCTION = (
 )
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+KEYS = ("correct", "length", "depth")  # what the accuracies are computed from
 
 
 class PasskeyTask(SuiteTask):
@@ -101,7 +105,18 @@ class PasskeyTask(SuiteTask):
             metrics[f"acc_len_{length}"] = mean([e["correct"] for e in examples if e["length"] == length])
         for depth in sorted({e["depth"] for e in examples}):
             metrics[f"acc_depth_{depth:g}"] = mean([e["correct"] for e in examples if e["depth"] == depth])
-        return Evaluation(metrics, examples, {"skipped_lengths": skipped} if skipped else {})
+        return Evaluation(metrics, examples, {"skipped_lengths": skipped} if skipped else {}, KEYS)
+
+    def estimators(
+        self, rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEYS
+    ) -> dict[str, intervals.Estimator]:
+        """Accuracy overall and per length and depth (each over its own cells)."""
+        out = {"passkey_acc": intervals.mean([r["correct"] for r in rows])}
+        for length in sorted({r["length"] for r in rows}):
+            out[f"acc_len_{length}"] = intervals.mean([r["correct"] for r in rows if r["length"] == length])
+        for depth in sorted({r["depth"] for r in rows}):
+            out[f"acc_depth_{depth:g}"] = intervals.mean([r["correct"] for r in rows if r["depth"] == depth])
+        return out
 
 
 register_task("passkey", PasskeyTask)

@@ -34,6 +34,32 @@ def chunked_nll(model, ids: torch.Tensor, cache, chunk_size: int) -> tuple[float
     return total, n - 1
 
 
+def sequence_nlls(
+    model,
+    sequences: Sequence[torch.Tensor],
+    new_cache: Callable[[], object],
+    chunk_size: int = 32,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[tuple[float, int]], CacheCounts]:
+    """(summed NLL, tokens predicted) of each sequence, each scored with a fresh cache, and the caches' counts."""
+    out: list[tuple[float, int]] = []
+    counts = CacheCounts()
+    for seq in sequences:
+        cache = new_cache()
+        out.append(chunked_nll(model, seq, cache, chunk_size))
+        counts = counts + cache.counts()
+        if progress:
+            progress(1)
+    return out, counts
+
+
+def ppl_metrics(nlls: Sequence[tuple[float, int]]) -> dict[str, float]:
+    """Corpus perplexity of per-sequence (summed NLL, tokens): exp of the token-weighted mean NLL."""
+    nll, tokens = sum(s for s, _ in nlls), sum(t for _, t in nlls)
+    mean = nll / tokens if tokens else float("nan")
+    return {"ppl": math.exp(mean), "nll": mean, "ppl_tokens": tokens}
+
+
 def perplexity(
     model,
     sequences: Sequence[torch.Tensor],
@@ -42,15 +68,5 @@ def perplexity(
     progress: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, float], CacheCounts]:
     """Corpus perplexity over ``sequences`` (each scored separately with a fresh cache)."""
-    nll, tokens = 0.0, 0
-    counts = CacheCounts()
-    for seq in sequences:
-        cache = new_cache()
-        s, t = chunked_nll(model, seq, cache, chunk_size)
-        nll += s
-        tokens += t
-        counts = counts + cache.counts()
-        if progress:
-            progress(1)
-    mean = nll / tokens if tokens else float("nan")
-    return {"ppl": math.exp(mean), "nll": mean, "ppl_tokens": tokens}, counts
+    nlls, counts = sequence_nlls(model, sequences, new_cache, chunk_size, progress)
+    return ppl_metrics(nlls), counts

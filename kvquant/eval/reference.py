@@ -1,7 +1,8 @@
 """fp16 reference outputs, cached on disk, and fidelity of a method's outputs to them.
 
 A reference holds, per unit (one generation or one scored continuation), fp16's tokens and the
-top-``TOPK`` next-token log-probabilities at each position, plus each example's answer. It is
+top-``TOPK`` next-token log-probabilities at each position, plus each example's answer and the
+per-example numbers its metrics are computed from (``values``: the paired differences to fp16). It is
 computed once per (model, task parameters — limit and seed included, reference method) and saved,
 so a sweep over methods pays for it once.
 
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 TOPK = 64
-FORMAT = 1
+FORMAT = 2  # 2: per-example ``values``; a reference of format 1 is recomputed
 
 
 @dataclass
@@ -51,10 +52,11 @@ class UnitRecord:
 
 @dataclass
 class Reference:
-    """Every unit of a reference run and every example's answer."""
+    """Every unit of a reference run, every example's answer and its metric inputs (``values``)."""
 
     units: dict[str, UnitRecord] = field(default_factory=dict)
     answers: dict[str, str] = field(default_factory=dict)
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (a tensor-and-string payload; loaded with ``weights_only``, so no code runs)."""
@@ -63,6 +65,7 @@ class Reference:
         payload = {
             "format": FORMAT,
             "answers": dict(self.answers),
+            "values": {k: dict(v) for k, v in self.values.items()},
             "units": {
                 k: {"tokens": u.tokens, "top_ids": u.top_ids, "top_lp": u.top_lp, "generated": u.generated}
                 for k, u in self.units.items()
@@ -86,7 +89,7 @@ class Reference:
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
             return None
         units = {k: UnitRecord(**u) for k, u in payload["units"].items()}
-        return cls(units=units, answers=dict(payload["answers"]))
+        return cls(units=units, answers=dict(payload["answers"]), values=dict(payload.get("values") or {}))
 
 
 def reference_path(root: str | os.PathLike, model, task_name: str, task_params: dict, reference: dict) -> Path:

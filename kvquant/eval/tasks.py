@@ -16,6 +16,9 @@ class TaskResult:
 
     ``examples`` are per-example outputs (written as JSONL beside results.json), ``info`` extra facts
     for the task block (e.g. prompts truncated), ``n_caches`` how many caches the counts add over.
+    ``ci95``, ``n_by_key`` and ``paired`` are results.json's blocks of the same names
+    (``kvquant.eval.intervals.blocks``): 95% intervals and example counts keyed ``metrics/<name>``,
+    ``fidelity/<name>``, ``paired/<name>``, and each metric's difference to fp16 on the same examples.
     """
 
     metrics: dict[str, float]
@@ -26,6 +29,9 @@ class TaskResult:
     examples: list[dict[str, Any]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     n_caches: int | None = None
+    ci95: dict[str, list[float]] = field(default_factory=dict)
+    n_by_key: dict[str, int] = field(default_factory=dict)
+    paired: dict[str, float] = field(default_factory=dict)
 
 
 class Task(ABC):

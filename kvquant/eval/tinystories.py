@@ -1,22 +1,26 @@
 """``tinystories``: perplexity through the cache on TinyStories validation stories + greedy continuations.
 
 Perplexity scores the first ``ppl_pieces`` stories (each separately, BOS as the tokenizer adds it,
-at most ``max_tokens`` tokens), fed in chunks of ``chunk_size``. Greedy continuations of the first
-``limit`` prompts give timing, bits read and fidelity to fp16: prompt i is the first ``prompt_tokens``
-tokens of stories i, i+1, … joined by blank lines — long enough (256 by default) that caches with an
-fp16 window (KIVI's 128 tokens) quantize part of it, so fidelity measures the method, not the window.
+at most ``max_tokens`` tokens), fed in chunks of ``chunk_size``; with a reference method the stories
+are scored with it too, for the paired difference of perplexity (intervals resample stories).
+Greedy continuations of the first ``limit`` prompts give timing, bits read and fidelity to fp16:
+prompt i is the first ``prompt_tokens`` tokens of stories i, i+1, … joined by blank lines — long
+enough (256 by default) that caches with an fp16 window (KIVI's 128 tokens) quantize part of it, so
+fidelity measures the method, not the window.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from kvquant.cache import CacheCounts
 from kvquant.data import tinystories_pieces
 from kvquant.errors import InvalidParameterError
+from kvquant.eval import intervals
 from kvquant.eval.fidelity import compare_to_reference, decode_timing, greedy_decode
-from kvquant.eval.perplexity import perplexity
+from kvquant.eval.perplexity import ppl_metrics, sequence_nlls
 from kvquant.eval.tasks import Task, TaskResult, register_task
 
 
@@ -80,8 +84,18 @@ class TinyStoriesTask(Task):
         sequences = [encode(tokenizer, p, self.max_tokens) for p in pieces[: self.ppl_pieces]]
         prompts = [encode(tokenizer, "\n\n".join(pieces[i : i + 8]), self.prompt_tokens) for i in range(self.limit)]
 
-        bar = tqdm(total=len(sequences) + len(prompts), desc=f"tinystories/{method.name}", disable=not progress)
-        metrics, _ = perplexity(model, sequences, lambda: method.new_cache(model), self.chunk_size, bar.update)
+        total = len(sequences) * (1 if reference_method is None else 2) + len(prompts)
+        bar = tqdm(total=total, desc=f"tinystories/{method.name}", disable=not progress)
+        nlls, _ = sequence_nlls(model, sequences, lambda: method.new_cache(model), self.chunk_size, bar.update)
+        metrics = ppl_metrics(nlls)
+        estimators = {"metrics": ppl_estimators(nlls)}
+        paired = None
+        if reference_method is not None:
+            ref_nlls, _ = sequence_nlls(
+                model, sequences, lambda: reference_method.new_cache(model), self.chunk_size, bar.update
+            )
+            ref_estimators = ppl_estimators(ref_nlls)
+            paired = {k: (v, ref_estimators[k]) for k, v in estimators["metrics"].items()}
         if reference_method is None:
             decodes = []
             for prompt in prompts:
@@ -98,11 +112,29 @@ class TinyStoriesTask(Task):
                 bar.update,
             )
             decodes, fidelity = run.decodes, run.summary()
+            estimators["fidelity"] = run.estimators()
         bar.close()
         counts = sum((d.counts for d in decodes), start=CacheCounts())
-        return TaskResult(
-            metrics=metrics, n=len(sequences), counts=counts, timing=decode_timing(decodes), fidelity=fidelity
+        ci95, n_by_key, differences, problems = intervals.blocks(
+            estimators, {"metrics": metrics, "fidelity": fidelity or {}}, paired
         )
+        return TaskResult(
+            metrics=metrics,
+            n=len(sequences),
+            counts=counts,
+            timing=decode_timing(decodes),
+            fidelity=fidelity,
+            info={"interval_problems": problems} if problems else {},
+            ci95=ci95,
+            n_by_key=n_by_key,
+            paired=differences,
+        )
+
+
+def ppl_estimators(nlls: list[tuple[float, int]]) -> dict[str, intervals.Estimator]:
+    """Token-weighted NLL and perplexity over stories (``ppl_tokens`` is the budget, not a measurement)."""
+    sums, tokens = [s for s, _ in nlls], [t for _, t in nlls]
+    return {"nll": intervals.ratio(sums, tokens), "ppl": intervals.ratio(sums, tokens, np.exp)}
 
 
 register_task("tinystories", TinyStoriesTask)

@@ -9,14 +9,20 @@ chunks of ``chunk_size`` tokens so every chunk attends to what the cache holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from kvquant.data import wikitext2_test
+from kvquant.eval import intervals
 from kvquant.eval.engine import Engine
 from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source
 from kvquant.eval.tasks import register_task
 from kvquant.eval.tinystories import check_context
+
+KEYS = ("nll", "tokens")  # per window: mean NLL per token, tokens predicted
 
 
 class WikiTextTask(SuiteTask):
@@ -38,10 +44,17 @@ class WikiTextTask(SuiteTask):
             s, t = engine.score(f"wikitext/{i}", win)
             nll, tokens = nll + s, tokens + t
             row = {"id": f"wikitext/{i}", "start_token": i * self.window}
-            examples.append(row | {"nll": s / t, "ppl": math.exp(s / t)})
+            examples.append(row | {"nll": s / t, "ppl": math.exp(s / t), "tokens": t})
         mean = nll / tokens if tokens else float("nan")
         metrics = {"ppl": math.exp(mean), "nll": mean, "ppl_tokens": tokens}
-        return Evaluation(metrics, examples, {"windows_available": len(ids) // self.window})
+        return Evaluation(metrics, examples, {"windows_available": len(ids) // self.window}, KEYS)
+
+    def estimators(
+        self, rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEYS
+    ) -> dict[str, intervals.Estimator]:
+        """Token-weighted NLL and its exp over windows (``ppl_tokens`` is the budget, not a measurement)."""
+        sums, tokens = [r["nll"] * r["tokens"] for r in rows], [r["tokens"] for r in rows]
+        return {"nll": intervals.ratio(sums, tokens), "ppl": intervals.ratio(sums, tokens, np.exp)}
 
 
 register_task("wikitext", WikiTextTask)
