@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from experiments.figures import publish, records
+from experiments.figures import publish_table
 
 NAME = "bench_kv_methods"
 BASELINE = "fp16"
@@ -150,15 +150,12 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    import pandas as pd
-    from hydra.core.hydra_config import HydraConfig
     from tqdm.auto import tqdm
 
     from experiments.evaluate import load
     from experiments.greedy import build_methods
     from kvquant.analysis.capture import capture_kv
     from kvquant.errors import KvquantError
-    from kvquant.models import model_info
 
     exp = cfg.experiment
     if exp.threads:
@@ -195,7 +192,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                         | {"steps": f"{ctx + i * bucket + 1}-{ctx + (i + 1) * bucket}", "ratio_fp16": med / bmed}
                         | {"max_ratio_fp16": top / btop}
                     )
-    info = model_info(model, cfg.model.name)
     experiment = {
         "name": NAME,
         "contexts": contexts,
@@ -204,8 +200,4 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "skipped": skipped,
     }
-    out = Path(HydraConfig.get().runtime.output_dir)
-    meta = {"model": info, "experiment": experiment, "env": {"device": device}}
-    table, written = publish(render, NAME, pd.DataFrame(rows), out, exp.figures_dir, meta)
-    print(written[-1].read_text(encoding="utf-8"))
-    return {"model": info, "experiment": experiment, "table": records(table), "device": device}
+    return publish_table(render, NAME, rows, cfg, model, experiment, device, env=True)

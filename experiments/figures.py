@@ -152,6 +152,32 @@ def publish(
     return table, _copy([stem.with_suffix(".csv"), *written], Path(figures_dir))
 
 
+def publish_table(
+    render: Callable[..., list[Path]],
+    name: str,
+    rows: list[dict[str, Any]],
+    cfg: Any,
+    model: Any,
+    experiment: dict[str, Any],
+    device: str,
+    env: bool = False,
+) -> dict[str, Any]:
+    """How a table runner ends: ``publish`` its rows into this Hydra run's folder (the model and
+    ``experiment`` as metadata; ``env``: the device too), print the Markdown it wrote, and return
+    the results.json blocks."""
+    import pandas as pd
+    from hydra.core.hydra_config import HydraConfig
+
+    from kvquant.models import model_info
+
+    info = model_info(model, cfg.model.name)
+    meta = {"model": info, "experiment": experiment} | ({"env": {"device": device}} if env else {})
+    out = Path(HydraConfig.get().runtime.output_dir)
+    table, written = publish(render, name, pd.DataFrame(rows), out, cfg.experiment.figures_dir, meta)
+    print(written[-1].read_text(encoding="utf-8"))
+    return {"model": info, "experiment": experiment, "table": records(table), "device": device}
+
+
 def load(name: str, results_dir: str | Path = ROOT / "results"):
     """``(table, results)`` of the committed artefact ``name``, checked to agree with each other."""
     folder = Path(results_dir) / name

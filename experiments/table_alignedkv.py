@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.figures import publish, records
+from experiments.figures import publish_table
 
 NAME = "table_alignedkv"
 
@@ -85,14 +85,11 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    import pandas as pd
-    from hydra.core.hydra_config import HydraConfig
     from tqdm.auto import tqdm
 
     from experiments.evaluate import load
     from experiments.greedy import build_methods, check_fits, compare, references, wikitext_ids, windows
     from kvquant.eval.fidelity import greedy_decode
-    from kvquant.models import model_info
 
     exp = cfg.experiment
     model, tok, device = load(cfg)
@@ -119,15 +116,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 **fid,
             }
         )
-    info = model_info(model, cfg.model.name)
     experiment = {
         "name": NAME,
         **{k: int(exp[k]) for k in ("long_context", "long_new", "prompts", "prompt_tokens", "new_tokens")},
         "skipped": skipped,
     }
-    out = Path(HydraConfig.get().runtime.output_dir)
-    table, written = publish(
-        render, NAME, pd.DataFrame(rows), out, exp.figures_dir, {"model": info, "experiment": experiment}
-    )
-    print(written[-1].read_text(encoding="utf-8"))
-    return {"model": info, "experiment": experiment, "table": records(table), "device": device}
+    return publish_table(render, NAME, rows, cfg, model, experiment, device)

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.figures import publish, records
+from experiments.figures import publish_table
 
 NAME = "table_hf_quantized"
 COMPARE_EXTRA = "pip install -e '.[compare]'"
@@ -95,14 +95,11 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    import pandas as pd
-    from hydra.core.hydra_config import HydraConfig
     from tqdm.auto import tqdm
 
     from experiments.evaluate import load
     from experiments.greedy import build_methods, check_fits, compare, references, wikitext_ids, windows
     from kvquant.errors import KvquantError
-    from kvquant.models import model_info
 
     exp = cfg.experiment
     model, tok, device = load(cfg)
@@ -133,10 +130,5 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             | {"decode_ratio_fp16": fid["decode_s"] / fp16_decode_s}
         )
     rows += [{"cache": label, "source": "kvquant", "reason": reason} for label, reason in skipped.items()]
-    info = model_info(model, cfg.model.name)
     experiment = {"name": NAME, "prompts": len(prompts), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
-    out = Path(HydraConfig.get().runtime.output_dir)
-    meta = {"model": info, "experiment": experiment}
-    table, written = publish(render, NAME, pd.DataFrame(rows), out, exp.figures_dir, meta)
-    print(written[-1].read_text(encoding="utf-8"))
-    return {"model": info, "experiment": experiment, "table": records(table), "device": device}
+    return publish_table(render, NAME, rows, cfg, model, experiment, device)

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.figures import publish, records
+from experiments.figures import publish_table
 
 NAME = "table_relerr"
 
@@ -75,14 +75,11 @@ def percentages(text: str) -> dict[str, list[float]]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    import pandas as pd
-    from hydra.core.hydra_config import HydraConfig
     from tqdm.auto import tqdm
 
     from experiments.evaluate import load
     from kvquant.analysis.relerr import relative_error_table
     from kvquant.data import wikitext2_test
-    from kvquant.models import model_info
 
     exp = cfg.experiment
     model, tok, device = load(cfg)
@@ -98,10 +95,5 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     key = f"{kind} {bucket}"
                     sums[label][key] = sums[label].get(key, 0.0) + share / exp.prompts
     rows = [{"method": label, **values} for label, values in sums.items()]
-    info = model_info(model, cfg.model.name)
     experiment = {"name": NAME, "context": context, "prompts": exp.prompts, "skipped": skipped}
-    out = Path(HydraConfig.get().runtime.output_dir)
-    meta = {"model": info, "experiment": experiment}
-    table, written = publish(render, NAME, pd.DataFrame(rows), out, exp.figures_dir, meta)
-    print(written[-1].read_text(encoding="utf-8"))
-    return {"model": info, "experiment": experiment, "table": records(table), "device": device}
+    return publish_table(render, NAME, rows, cfg, model, experiment, device)

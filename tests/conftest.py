@@ -188,3 +188,15 @@ def smollm2():
     from kvquant import load_model
 
     return load_model("smollm2_135m", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of small tensors (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    on a shared 2-core machine, 2-thread kernels on tiny matrices only stall on each other."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

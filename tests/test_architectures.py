@@ -56,13 +56,7 @@ LOSSY = ("kivi", "gear", "higgs", "aquakv")  # compress what they store
 READ_LESS = ("alignedkv", "truncation")  # store fp16, read fewer bits
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: threads only contend (a busy 2-core machine makes every run 30× slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

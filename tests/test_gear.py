@@ -19,13 +19,7 @@ from kvquant.quant.integer import quantize
 SMOLLM2 = KVGeometry(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread for this module: on a shared 2-core machine, 2-thread kernels stall on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def structured(b: int, h: int, t: int, d: int, seed: int = 0) -> torch.Tensor:

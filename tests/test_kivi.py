@@ -15,14 +15,7 @@ from kvquant.methods.kivi import KiviLayer, KiviMethod
 from kvquant.methods.window import NonFiniteKVError
 from kvquant.quant.integer import dequantize, quantize
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread for this module: on a shared 2-core machine, 2-thread kernels stall on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # smollm2_135m's KV shapes: 30 layers, 3 KV heads, head_dim 64

@@ -7,14 +7,7 @@ from hypothesis import strategies as st
 
 from kvquant.quant.integer import BITS, cat, dequantize, drop_leading, levels, pack, quantize, unpack
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread for this module: on a shared 2-core machine, 2-thread kernels stall on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def per_element(q, t):
