@@ -254,8 +254,29 @@ def collect(run_dir: str | Path, results_dir: str | Path = ROOT / "results") -> 
         raise FiguresError(f"{run_dir}: no {name}.csv beside {RESULTS_FILE}")
     check_agrees(read_table(csv), results.get("table"), str(run_dir))
     target = Path(results_dir) / name
-    _copy([csv, json_path], target)
+    _copy([csv], target)
+    if _relative_locations(results):  # where this machine wrote the run is not part of the result
+        from kvquant.results import config_hash, write_results
+
+        results["config_hash"] = config_hash(results["config"])
+        write_results(target, results)
+    else:
+        _copy([json_path], target)
     return target
+
+
+def _relative_locations(results: dict[str, Any]) -> bool:
+    """Replace absolute output folders in the run's config by the defaults (``outputs``, ``figures``);
+    True if any was replaced (the config hash then changes with them)."""
+    config = results.get("config") or {}
+    changed = False
+    for block, key, default in (
+        (config, "results_dir", "outputs"),
+        (config.get("experiment") or {}, "figures_dir", "figures"),
+    ):
+        if isinstance(block.get(key), str) and Path(block[key]).is_absolute():
+            block[key], changed = default, True
+    return changed
 
 
 def main(argv: list[str] | None = None) -> int:
