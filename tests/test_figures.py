@@ -118,6 +118,23 @@ def test_collect_copies_a_finished_run(tmp_path, capsys):
     assert "no results.json" in capsys.readouterr().err
 
 
+def test_collect_makes_output_folders_relative_and_rehashes(tmp_path):
+    """A run written to absolute folders is committed with the default ones and the hash they give."""
+    from kvquant.results import config_hash
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(RESULTS / "bench_kv_methods", run_dir)
+    results = json.loads((run_dir / "results.json").read_text())
+    results["config"]["results_dir"] = str(tmp_path / "out")
+    results["config"]["experiment"]["figures_dir"] = str(tmp_path / "fig")
+    (run_dir / "results.json").write_text(json.dumps(results))
+    target = collect(run_dir, tmp_path / "results")
+    kept = json.loads((target / "results.json").read_text())
+    assert kept["config"]["results_dir"] == "outputs" and kept["config"]["experiment"]["figures_dir"] == "figures"
+    assert kept["config_hash"] == config_hash(kept["config"]) != config_hash(results["config"])
+    assert kept["table"] == results["table"]
+
+
 def _drawn(name: str, monkeypatch, tmp_path):
     """The matplotlib figure ``name``'s render draws from the committed CSV, and that artefact's results.json."""
     module = artefact(name)
@@ -158,17 +175,20 @@ def _assert_plotted_from(axes, rows: list[dict]) -> int:
 def test_latency_plot_numbers_are_results_json(monkeypatch, tmp_path):
     axes, rows = _drawn("fig_latency", monkeypatch, tmp_path)
     assert _assert_plotted_from(axes, rows) > 0
-    (left, left_lines, _), (right, right_lines, _) = axes
-    for lines, column in ((left_lines, "ms"), (right_lines, "ratio_to_fp16")):
-        drawn = {
-            line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-            for line in lines
-            if line.get_label()[0] != "_"
-        }
-        assert set(drawn) == {r["method"] for r in rows}
-        for method, (xs, ys) in drawn.items():
-            mine = sorted((r["context"], r[column]) for r in rows if r["method"] == method)
-            assert xs == [c for c, _ in mine] and ys == [v for _, v in mine]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    assert len(axes) == 2 * len(shapes)
+    for i, shape in enumerate(shapes):  # one row of panels per shape: ms (left), ratio to fp16 (right)
+        mine_rows = [r | {"label": f"{r['method']} ({r['backend']})"} for r in rows if r["shape"] == shape]
+        for (_, lines, _), column in zip(axes[2 * i : 2 * i + 2], ("ms", "ratio_to_fp16"), strict=True):
+            drawn = {
+                line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+                for line in lines
+                if line.get_label()[0] != "_"
+            }
+            assert set(drawn) == {r["label"] for r in mine_rows}
+            for label, (xs, ys) in drawn.items():
+                mine = sorted((r["context"], r[column]) for r in mine_rows if r["label"] == label)
+                assert xs == [c for c, _ in mine] and ys == [v for _, v in mine]
 
 
 def test_bitwidth_plot_numbers_are_results_json(monkeypatch, tmp_path):
