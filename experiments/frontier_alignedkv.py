@@ -1,11 +1,14 @@
-"""Bits read vs fidelity for uniform truncation, AlignedKV and AlignedKV+ at several margins.
+"""Bits read vs fidelity for uniform truncation, AlignedKV and AlignedKV+ at several margins and,
+beyond the paper, at several value-width blocks (``v_block``, margin 0).
 
 For each context length: ``prompts`` consecutive WikiText-2 windows of that many tokens; each rule
 decodes ``new_tokens`` greedy tokens (match to fp16 per position), is teacher-forced along fp16's
 tokens (mean KL(fp16 ‖ rule)), and its ``QKᵀ``/``SV`` relative errors are bucketed at the decode
 step after the first prompt. Writes ``frontier_alignedkv.csv`` and a plot (bits read on x, greedy
-match and KL on y, one line per rule, one column per context) into ``figures_dir`` and the run folder;
-``render`` redraws it from the CSV alone (``make figures``).
+match and KL on y, one line per rule — ``<rule> v_block`` lines are the block axis, each point
+labelled with its ``v_block`` — one column per context) into ``figures_dir`` and the run folder;
+``render`` redraws it from the CSV alone (``make figures``). A point whose method equals another's
+(``v_block=1`` is ``margin=0``) is computed once and reported under both labels.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def rule_configs(cfg: DictConfig) -> list[tuple[str, str, float, Any]]:
     points = [(f"truncation keep={k}", "truncation", k, get_method("truncation", keep_bits=int(k))) for k in cfg.keep]
     for rule in cfg.rules:
         points += [(f"{rule} margin={m}", rule, m, get_method(rule, margin=float(m))) for m in cfg.margins]
+        blocks = cfg.get("v_blocks", [])
+        points += [(f"{rule} v_block={b}", f"{rule} v_block", b, get_method(rule, v_block=int(b))) for b in blocks]
     return points
 
 
@@ -64,6 +69,9 @@ def render(table, stem: Path) -> list[Path]:
             style = {"marker": "os^Dv"[i % 5], "color": method_color(rule), "label": rule, "alpha": 0.85}
             axes[0][col].plot(rows.bits_read, rows.greedy_match, **style)
             axes[1][col].plot(rows.bits_read, rows.kl, **style)
+            if rule.endswith(" v_block"):
+                for x, y, b in zip(rows.bits_read, rows.greedy_match, rows.param, strict=True):
+                    axes[0][col].annotate(f"{b:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
         axes[0][col].set_title(f"context {ctx} tokens")
         axes[1][col].set_xlabel("mean bits read per K/V element (bits)")
         axes[1][col].set_yscale("symlog", linthresh=linthresh)
@@ -103,24 +111,27 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         prompts = [ids[i * ctx : (i + 1) * ctx] for i in range(exp.prompts)]
         if len(prompts[-1]) < ctx:
             raise InvalidParameterError(f"WikiText-2 holds fewer than {exp.prompts} windows of {ctx} tokens")
-        relerr = relative_error_table(model, prompts[0], {label: m for label, _, _, m in points})
+        unique = {method: label for label, _, _, method in reversed(points)}  # method -> its first label
+        relerr = relative_error_table(model, prompts[0], {label: m for m, label in unique.items()})
         sums = {
             label: {"match": 0.0, "kl": 0.0, "bits_read": 0.0, "bits_read_k": 0.0, "bits_read_v": 0.0}
-            for label, *_ in points
+            for label in unique.values()
         }
-        bar = tqdm(total=len(prompts) * len(points), desc=f"{NAME} ctx={ctx}", disable=not cfg.progress)
+        bar = tqdm(total=len(prompts) * len(unique), desc=f"{NAME} ctx={ctx}", disable=not cfg.progress)
         for prompt in prompts:
             reference = greedy_decode(model, prompt, fp16.new_cache(model), exp.new_tokens)
-            for label, _, _, method in points:
+            for method, label in unique.items():
                 for key, value in decode_and_compare(model, prompt, method, reference, exp.new_tokens).items():
                     sums[label][key] += value
                 bar.update(1)
         bar.close()
-        for label, rule, x, _ in points:
-            mean = {k: v / len(prompts) for k, v in sums[label].items()}
+        for label, rule, x, method in points:
+            first = unique[method]
+            mean = {k: v / len(prompts) for k, v in sums[first].items()}
             row = {"context": ctx, "rule": rule, "param": x, "label": label, "greedy_match": mean.pop("match"), **mean}
+            row["v_block"] = getattr(method, "v_block", None)
             for kind in ("qk", "sv"):
-                row.update({f"{kind} {bucket}": share for bucket, share in relerr[label][kind].items()})
+                row.update({f"{kind} {bucket}": share for bucket, share in relerr[first][kind].items()})
             rows.append(row)
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -1,4 +1,5 @@
-"""Fused C++ CPU attention over kvquant's stored K/V formats (fp16, KIVI, GEAR), built once into the user cache.
+"""Fused C++ CPU attention over kvquant's stored K/V formats (fp16, KIVI, GEAR, AlignedKV planes), built once
+into the user cache.
 
 ``python -m kernels_cpu build`` compiles them (``make setup`` does); afterwards importing this
 package only loads the built library. Nothing here raises at import: ``status()`` returns
@@ -10,16 +11,30 @@ torch (and platformdirs for the cache folder).
 from __future__ import annotations
 
 from kernels_cpu.loader import Status, build, build_dir, status
-from kernels_cpu.ops import attend_fp16, attend_gear, attend_kivi, gear_tensors, kivi_tensors
+from kernels_cpu.ops import (
+    attend_fp16,
+    attend_gear,
+    attend_kivi,
+    attend_planes,
+    exponent_gaps,
+    gear_tensors,
+    kivi_tensors,
+    plane_tensors,
+    read_plane_keys,
+)
 
 __all__ = [
     "Status",
     "attend_fp16",
     "attend_gear",
     "attend_kivi",
+    "attend_planes",
+    "exponent_gaps",
     "build",
     "build_dir",
     "gear_tensors",
     "kivi_tensors",
+    "plane_tensors",
+    "read_plane_keys",
     "status",
 ]

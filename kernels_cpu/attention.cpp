@@ -1,4 +1,5 @@
-// Python bindings: argument checks, then the format's kernel (fp16.cpp, kivi.cpp, gear.cpp; driver in kernels.h).
+// Python bindings: argument checks, then the format's kernel (fp16.cpp, kivi.cpp, gear.cpp, planes.cpp;
+// driver in kernels.h).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor casters without all of torch/extension.h
 
@@ -159,13 +160,96 @@ void outliers(GearStream& st, const c10::optional<at::Tensor>& index, const c10:
 }  // namespace kvq
 
 at::Tensor attend_fp16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const c10::optional<at::Tensor>& mask, bool causal, double scaling) {
+                       const c10::optional<at::Tensor>& mask, bool causal, double scaling, int64_t keep_bits) {
   using namespace kvq;
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k and v must be [B, Hkv, L, D]");
+  TORCH_CHECK(keep_bits >= 6 && keep_bits <= 16, "keep_bits must be in 6..16, got ", keep_bits);
   const int64_t Hkv = k.size(1), L = k.size(2);
   Problem P = problem(q, Hkv, L, mask, causal, scaling);
   TORCH_CHECK(v.size(2) == L, "k and v must hold the same number of tokens, got ", L, " and ", v.size(2));
-  return fp16_attention(half4(k, "k", P.B, Hkv, P.D), half4(v, "v", P.B, Hkv, P.D), P);
+  return fp16_attention(half4(k, "k", P.B, Hkv, P.D), half4(v, "v", P.B, Hkv, P.D), int(keep_bits), P);
+}
+
+namespace kvq {
+
+// A uint8 plane [B, H, n, inner...] whose trailing dims are contiguous (inner: their sizes).
+Bytes plane(const at::Tensor& t, const char* name, int64_t B, int64_t H, std::vector<int64_t> inner) {
+  TORCH_CHECK(t.scalar_type() == at::kByte, name, " must be uint8, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == int64_t(3 + inner.size()) && t.size(0) == B && t.size(1) == H, name, " must be [", B, ", ",
+              H, ", n, ...], got ", t.sizes());
+  int64_t expect = 1;
+  for (int64_t i = int64_t(inner.size()) - 1; i >= 0; --i) {
+    TORCH_CHECK(t.size(3 + i) == inner[i], name, " has shape ", t.sizes(), "; its trailing dims must be ", inner);
+    TORCH_CHECK(t.stride(3 + i) == expect || t.size(3 + i) == 1, name, " needs contiguous trailing dims");
+    expect *= inner[i];
+  }
+  return Bytes{t.data_ptr<uint8_t>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Widths (uint8, each 8, 12 or 16) [B, H, n] or [B, H, n, D]; broadcast dims may have stride 0.
+Bytes widths(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_t n, int64_t D) {
+  const bool keys = D > 0;
+  TORCH_CHECK(t.scalar_type() == at::kByte, name, " must be uint8, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == (keys ? 4 : 3) && t.size(0) == B && t.size(1) == H && (t.size(2) == n || t.size(2) == 1) &&
+                  (!keys || t.size(3) == D),
+              name, " must be [", B, ", ", H, ", ", n, keys ? ", D]" : "]", " (or 1 along dim 2), got ", t.sizes());
+  const Bytes w{t.data_ptr<uint8_t>(), t.stride(0), t.stride(1), t.size(2) == 1 ? 0 : t.stride(2)};
+  const int64_t inner = keys ? D : 1, si = keys ? t.stride(3) : 0;
+  bool bad = false;  // a width the loaders have no read for
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < t.size(2); ++i)
+        for (int64_t c = 0; c < inner; ++c) {
+          const uint8_t x = w.at(b, h, i)[c * si];
+          bad |= x != 8 && x != 12 && x != 16;
+        }
+  TORCH_CHECK(!bad, name, ": plane reads take widths 8, 12 or 16");
+  return w;
+}
+
+}  // namespace kvq
+
+using Opt = c10::optional<at::Tensor>;
+
+at::Tensor attend_planes(const at::Tensor& q, const Opt& k_a, const Opt& k_b, const Opt& k_c, const Opt& k_widths,
+                         const at::Tensor& tail_k, const Opt& v_a, const Opt& v_b, const Opt& v_c,
+                         const Opt& v_widths, const at::Tensor& tail_v, bool tiny_k, bool tiny_v, const Opt& mask,
+                         bool causal, double scaling) {
+  using namespace kvq;
+  TORCH_CHECK(tail_k.dim() == 4 && tail_v.dim() == 4, "tails must be [B, Hkv, T, D]");
+  const int64_t B = q.size(0), Hkv = tail_k.size(1), D = q.size(3);
+  TORCH_CHECK(D % 8 == 0, "the plane layout needs head_dim a multiple of 8, got ", D);
+  PlaneArgs a;
+  a.tiny_k = tiny_k;
+  a.tiny_v = tiny_v;
+  a.tail_n = tail_k.size(2);
+  const bool blocks = k_a.has_value();
+  TORCH_CHECK(blocks == k_b.has_value() && blocks == k_c.has_value() && blocks == v_a.has_value() &&
+                  blocks == v_b.has_value() && blocks == v_c.has_value(),
+              "planes: give all six planes or none");
+  if (blocks) {
+    TORCH_CHECK(k_widths.has_value() && v_widths.has_value(), "planes: widths are needed with the planes");
+    a.ka = plane(*k_a, "k_a", B, Hkv, {D, 64});
+    a.nb = k_a->size(2);
+    a.kb = plane(*k_b, "k_b", B, Hkv, {D, 32});
+    a.kc = plane(*k_c, "k_c", B, Hkv, {D, 32});
+    TORCH_CHECK(k_b->size(2) == a.nb && k_c->size(2) == a.nb, "k_a, k_b and k_c must hold the same blocks");
+    a.va = plane(*v_a, "v_a", B, Hkv, {D});
+    a.vb = plane(*v_b, "v_b", B, Hkv, {D / 2});
+    a.vc = plane(*v_c, "v_c", B, Hkv, {D / 2});
+    const int64_t nv = a.nb * 64;
+    TORCH_CHECK(v_a->size(2) == nv && v_b->size(2) == nv && v_c->size(2) == nv, "value planes must hold ", nv,
+                " tokens (the key blocks'), got ", v_a->size(2));
+    a.kw = widths(*k_widths, "k_widths", B, Hkv, a.nb, D);
+    a.kw_c = k_widths->stride(3);
+    a.vw = widths(*v_widths, "v_widths", B, Hkv, nv, 0);
+  }
+  const int64_t L = a.nb * 64 + tail_k.size(2);
+  TORCH_CHECK(a.nb * 64 + tail_v.size(2) == L, "keys cover ", L, " tokens but values ", a.nb * 64 + tail_v.size(2));
+  Problem P = problem(q, Hkv, L, mask, causal, scaling);
+  a.tail_k = half4(tail_k, "tail_k", B, Hkv, D);
+  a.tail_v = half4(tail_v, "tail_v", B, Hkv, D);
+  return planes_attention(a, P);
 }
 
 at::Tensor attend_kivi(const at::Tensor& q, const c10::optional<at::Tensor>& k_codes,
@@ -188,7 +272,41 @@ at::Tensor attend_kivi(const at::Tensor& q, const c10::optional<at::Tensor>& k_c
   return kivi_attention(kq, vq, kw, vw, int(group_size), int(bits), P);
 }
 
-using Opt = c10::optional<at::Tensor>;
+at::Tensor read_plane_keys(const Opt& k_a, const Opt& k_b, const Opt& k_c, const Opt& k_widths,
+                           const at::Tensor& tail_k, bool tiny_k) {
+  using namespace kvq;
+  TORCH_CHECK(tail_k.dim() == 4, "tail_k must be [B, Hkv, T, D]");
+  const int64_t B = tail_k.size(0), Hkv = tail_k.size(1), D = tail_k.size(3);
+  TORCH_CHECK(D % 8 == 0 && D <= DMAX, "the plane layout needs head_dim a multiple of 8 up to ", DMAX, ", got ", D);
+  PlaneArgs a;
+  a.tiny_k = tiny_k;
+  a.tail_n = tail_k.size(2);
+  a.tail_k = half4(tail_k, "tail_k", B, Hkv, D);
+  if (k_a.has_value()) {
+    TORCH_CHECK(k_b.has_value() && k_c.has_value() && k_widths.has_value(), "planes: k_a needs k_b, k_c and widths");
+    a.ka = plane(*k_a, "k_a", B, Hkv, {D, 64});
+    a.nb = k_a->size(2);
+    a.kb = plane(*k_b, "k_b", B, Hkv, {D, 32});
+    a.kc = plane(*k_c, "k_c", B, Hkv, {D, 32});
+    TORCH_CHECK(k_b->size(2) == a.nb && k_c->size(2) == a.nb, "k_a, k_b and k_c must hold the same blocks");
+    a.kw = widths(*k_widths, "k_widths", B, Hkv, a.nb, D);
+    a.kw_c = k_widths->stride(3);
+  }
+  return planes_read_keys(a, B, Hkv, int(D));
+}
+
+at::Tensor exponent_gaps(const at::Tensor& e_o, const at::Tensor& v_high) {
+  using namespace kvq;
+  TORCH_CHECK(v_high.dim() == 4, "v_high must be [B, Hkv, L, D], got ", v_high.sizes());
+  const int64_t B = v_high.size(0), H = v_high.size(1), L = v_high.size(2), D = v_high.size(3);
+  TORCH_CHECK(D >= 1 && D <= DMAX, "head_dim must be in 1..", DMAX, ", got ", D);
+  const Bytes v = plane(v_high, "v_high", B, H, {D});
+  TORCH_CHECK(e_o.scalar_type() == at::kShort && e_o.dim() == 3 && e_o.size(0) == B && e_o.size(1) == H &&
+                  e_o.size(2) == D && e_o.stride(2) == 1,
+              "e_o must be int16 [", B, ", ", H, ", ", D, "] with a contiguous last dim, got ", e_o.scalar_type(), " ",
+              e_o.sizes());
+  return planes_exponent_gaps(e_o.data_ptr<int16_t>(), e_o.stride(0), e_o.stride(1), v, B, H, L, int(D));
+}
 
 at::Tensor attend_gear(const at::Tensor& q, const Opt& k_codes, const Opt& k_scale, const Opt& k_zero,
                        const at::Tensor& k_window, const Opt& k_index, const Opt& k_value,
@@ -222,5 +340,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_fp16", &attend_fp16, "fused attention over fp16 K/V");
   m.def("attend_kivi", &attend_kivi, "fused attention over a KIVI store");
   m.def("attend_gear", &attend_gear, "fused attention over a GEAR store");
+  m.def("attend_planes", &attend_planes, "fused attention over AlignedKV's planes at given widths");
+  m.def("exponent_gaps", &exponent_gaps, "min over channels of e_o - the exponent field of plane A, per token");
+  m.def("read_plane_keys", &read_plane_keys, "AlignedKV's keys read at given widths, as fp32 [B, Hkv, L, D]");
   m.attr("avx512") = bool(KVQ_AVX512);
 }

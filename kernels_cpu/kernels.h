@@ -4,8 +4,9 @@
 // KV head. A format only fills small fp32 buffers: keys (or values) of SB consecutive tokens,
 // dequantized in registers from the stored bytes. The buffer is reused by every row of the tile,
 // so GQA heads and query positions pay for one dequantization, and nothing of the history is
-// ever written out. NC (16-lane chunks per head dim) is a template parameter so that a row's
-// query and accumulators live in registers; NR (rows) is a runtime count.
+// ever written out (a format storing keys by channel may fill the key buffer channel-major:
+// ChannelMajor, dot_channels). NC (16-lane chunks per head dim) is a template parameter so that a
+// row's query and accumulators live in registers; NR (rows) is a runtime count.
 //
 // Work is split over (batch, KV head, row tile, key chunk); chunks of one head are merged with
 // log-sum-exp, so a decode step over few heads still uses every thread.
@@ -15,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -92,6 +94,40 @@ inline void dot_rows(const float* buf, int n, const Rows& R, int D, float* d) {
       part[t] = add(a, b);
     }
     store(d + r * BT, hsum16(part), lanes(n));
+  }
+}
+
+// The same scores from a channel-major buffer (buf[c*W + t], a format that stores keys by channel):
+// a vector of 16 tokens per channel times the row's query element, rows in groups of RG so that
+// 8 independent FMA chains hide the latency.
+template <int RG>
+inline void dot_channel_group(const float* buf, int n, const float* const* q, int D, float* d) {
+  constexpr int CH = RG == 1 ? 8 : RG == 2 ? 4 : 2;  // chains per row (D is a multiple of 8)
+  vf acc[RG][CH];
+  for (int r = 0; r < RG; ++r)
+    for (int j = 0; j < CH; ++j) acc[r][j] = zero();
+  for (int c = 0; c < D; c += CH) {
+#pragma GCC unroll 8
+    for (int j = 0; j < CH; ++j) {
+      const vf k = load(buf + (c + j) * W, lanes(W));
+      for (int r = 0; r < RG; ++r) acc[r][j] = fma(set1(q[r][c + j]), k, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < RG; ++r) {
+    vf x = acc[r][0];
+    for (int j = 1; j < CH; ++j) x = add(x, acc[r][j]);
+    store(d + r * BT, x, lanes(n));
+  }
+}
+
+inline void dot_channels(const float* buf, int n, const Rows& R, int D, float* d) {
+  int r = 0;
+  for (; r + 4 <= R.n; r += 4) dot_channel_group<4>(buf, n, R.q + r, D, d + r * BT);
+  switch (R.n - r) {
+    case 3: return dot_channel_group<3>(buf, n, R.q + r, D, d + r * BT);
+    case 2: return dot_channel_group<2>(buf, n, R.q + r, D, d + r * BT);
+    case 1: return dot_channel_group<1>(buf, n, R.q + r, D, d + r * BT);
+    default: return;
   }
 }
 
@@ -254,6 +290,13 @@ struct ValueDequant {
 
 // ---------------------------------------------------------------- formats
 
+// A format whose keys() returns bool may fill the key buffer channel-major (true: buf[c*W + t]),
+// e.g. from storage that keeps keys by channel, and says so with channel_major_keys = true.
+template <class F, class = void>
+struct ChannelMajor : std::false_type {};
+template <class F>
+struct ChannelMajor<F, std::void_t<decltype(F::channel_major_keys)>> : std::bool_constant<F::channel_major_keys> {};
+
 // Formats may add terms that are not in the dequantized buffers (GEAR's low-rank correction):
 // key_terms adds to the raw scores of n keys, value_terms to the accumulators. None by default.
 struct NoTerms {
@@ -372,8 +415,15 @@ void run_item(const F& f, const Problem& P, int64_t b, int64_t h, const Rows& R,
     if (!mask_block(P, R, t0, n, s)) continue;
     for (int i = 0; i < n; i += SB) {
       const int k = std::min(SB, n - i);
-      f.keys(st, b, h, t0 + i, k, D, buf);
-      dot_rows<NC>(buf, k, R, D, d + i);
+      if constexpr (ChannelMajor<F>::value) {
+        if (f.keys(st, b, h, t0 + i, k, D, buf))
+          dot_channels(buf, k, R, D, d + i);
+        else
+          dot_rows<NC>(buf, k, R, D, d + i);
+      } else {
+        f.keys(st, b, h, t0 + i, k, D, buf);
+        dot_rows<NC>(buf, k, R, D, d + i);
+      }
       f.key_terms(st, b, h, t0 + i, k, R, D, d + i);
     }
     for (int r = 0; r < R.n; ++r)
@@ -520,7 +570,31 @@ struct GearStream {
   std::vector<Run> runs;
 };
 
-at::Tensor fp16_attention(const Half4& k, const Half4& v, const Problem& P);
+// A uint8 tensor [B, H, n, ...] addressed by (batch, head, index along dim 2).
+struct Bytes {
+  const uint8_t* p = nullptr;
+  int64_t sb = 0, sh = 0, s2 = 0;
+  const uint8_t* at(int64_t b, int64_t h, int64_t i) const { return p + b * sb + h * sh + i * s2; }
+};
+
+// AlignedKV's PlaneStore (kvquant.alignment) and the widths the rules chose for one step.
+// Keys: nb blocks of 64 tokens, channel-major: ka [B, H, nb, D, 64], kb/kc [B, H, nb, D, 32]
+// (nibbles along tokens); widths kw [B, H, nb or 1, D] (kw_c: channel stride). Values: token-major
+// va [B, H, nb*64, D], vb/vc [B, H, nb*64, D/2] (nibbles along channels); widths vw [B, H, nb*64]
+// (vw.s2 = 0: one width for all). The newest tokens are fp16 in tail_k / tail_v, read whole.
+// tiny_k / tiny_v: some element's plane A reads as +-0 (PlaneStore.tiny_*), so the +-0 rule applies.
+struct PlaneArgs {
+  Bytes ka, kb, kc, kw, va, vb, vc, vw;
+  int64_t kw_c = 1, nb = 0, tail_n = 0;  // tail_n: tokens in the fp16 tails
+  bool tiny_k = true, tiny_v = true;
+  Half4 tail_k, tail_v;
+};
+
+at::Tensor fp16_attention(const Half4& k, const Half4& v, int keep_bits, const Problem& P);
+at::Tensor planes_attention(const PlaneArgs& a, const Problem& P);
+at::Tensor planes_read_keys(const PlaneArgs& a, int64_t B, int64_t H, int D);
+at::Tensor planes_exponent_gaps(const int16_t* e_o, int64_t eb, int64_t eh, const Bytes& v, int64_t B, int64_t H,
+                                int64_t L, int D);
 at::Tensor gear_attention(const GearStream& k, const GearStream& v, int G, int bits, const Problem& P);
 at::Tensor kivi_attention(const QuantPart& kq, const QuantPart& vq, const Half4& kw, const Half4& vw, int G, int bits,
                           const Problem& P);

@@ -51,11 +51,117 @@ def attend_fp16(
     mask: torch.Tensor | None = None,
     scaling: float | None = None,
     causal: bool = False,
+    keep_bits: int = 16,
 ) -> torch.Tensor:
-    """Attention over fp16 ``k``/``v`` ``[B, Hkv, L, D]`` (``Fp16Layer.keys``/``.values``), read in place."""
+    """Attention over fp16 ``k``/``v`` ``[B, Hkv, L, D]`` (``Fp16Layer.keys``/``.values``), read in place.
+
+    ``keep_bits`` < 16 reads every element as ``kvquant.bits.truncate`` does (the truncation method):
+    the truncation happens in registers, so all 16 stored bits are still loaded.
+    """
     q32 = _query(q)
-    out = module().attend_fp16(q32, k, v, _mask(mask, q32, k.shape[-2]), causal, _scaling(scaling, q))
+    out = module().attend_fp16(q32, k, v, _mask(mask, q32, k.shape[-2]), causal, _scaling(scaling, q), int(keep_bits))
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+Widths = torch.Tensor | int
+
+
+def _widths(w: Widths, batch: int, heads: int, n: int, d: int | None) -> torch.Tensor:
+    """uint8 widths ``[B, H, n, D]`` (keys: ``d`` given; a ``[B, H, D]`` tensor is one width per
+    column) or ``[B, H, n]`` (values); an int is one width for all, as a stride-0 view."""
+    if isinstance(w, int):
+        shape = (batch, heads, 1, d) if d is not None else (batch, heads, 1)
+        return torch.full((1,) * len(shape), w, dtype=torch.uint8).expand(shape)
+    if d is not None and w.dim() == 3:
+        w = w.unsqueeze(2)
+    return w if w.dtype == torch.uint8 else w.to(torch.uint8)
+
+
+def attend_planes(
+    q: torch.Tensor,
+    k_a: torch.Tensor | None,
+    k_b: torch.Tensor | None,
+    k_c: torch.Tensor | None,
+    tail_k: torch.Tensor,
+    v_a: torch.Tensor | None,
+    v_b: torch.Tensor | None,
+    v_c: torch.Tensor | None,
+    tail_v: torch.Tensor,
+    *,
+    k_widths: Widths,
+    v_widths: Widths,
+    tiny_k: bool = True,
+    tiny_v: bool = True,
+    mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Attention over AlignedKV's planes (``kvquant.alignment.PlaneStore``) read at given widths.
+
+    Keys: ``k_a`` uint8 ``[B, Hkv, nb, D, 64]`` and nibble-packed ``k_b``/``k_c`` ``[B, Hkv, nb, D, 32]``
+    (64-token blocks, channel-major), then the fp16 ``tail_k`` ``[B, Hkv, T, D]``; ``k_widths`` 8/12/16
+    per (batch, head, channel) ``[B, Hkv, D]`` or per block ``[B, Hkv, nb, D]`` (AlignedKV+). Values:
+    ``v_a`` ``[B, Hkv, nb·64, D]``, ``v_b``/``v_c`` ``[B, Hkv, nb·64, D/2]``, then ``tail_v``;
+    ``v_widths`` per token ``[B, Hkv, nb·64]``. An int width reads everything at it. Tails are read
+    at 16 bits, as the torch path does. Before the first block the planes are ``None``. ``tiny_k``/
+    ``tiny_v`` False (``PlaneStore.tiny_k``/``tiny_v``: no plane-A byte reads as ±0) lets the kernel
+    skip the ±0 rule, which then cannot apply. ``plane_tensors(store)`` gives all of these but the widths.
+    """
+    q32 = _query(q)
+    batch, heads, d = q.shape[0], tail_k.shape[1], q.shape[-1]
+    nb = 0 if k_a is None else k_a.shape[2]
+    wk = None if k_a is None else _widths(k_widths, batch, heads, nb, d)
+    wv = None if k_a is None else _widths(v_widths, batch, heads, nb * 64, None)
+    length = nb * 64 + tail_k.shape[-2]
+    out = module().attend_planes(
+        q32,
+        k_a,
+        k_b,
+        k_c,
+        wk,
+        tail_k,
+        v_a,
+        v_b,
+        v_c,
+        wv,
+        tail_v,
+        bool(tiny_k),
+        bool(tiny_v),
+        _mask(mask, q32, length),
+        causal,
+        _scaling(scaling, q),
+    )
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def read_plane_keys(
+    k_a: torch.Tensor | None,
+    k_b: torch.Tensor | None,
+    k_c: torch.Tensor | None,
+    tail_k: torch.Tensor,
+    *,
+    k_widths: Widths,
+    tiny_k: bool = True,
+) -> torch.Tensor:
+    """Every key ``[B, Hkv, L, D]`` as fp32, the planes read at ``k_widths`` (as ``attend_planes`` takes
+    them) and the tail at 16 bits: bit for bit ``PlaneStore.read_keys(k_widths, torch.float32)``, in
+    one pass. What the value rule's scores are computed from on the cpu backend."""
+    batch, heads, _, d = tail_k.shape
+    nb = 0 if k_a is None else k_a.shape[2]
+    wk = None if k_a is None else _widths(k_widths, batch, heads, nb, d)
+    return module().read_plane_keys(k_a, k_b, k_c, wk, tail_k, bool(tiny_k))
+
+
+def exponent_gaps(e_o: torch.Tensor, v_high: torch.Tensor) -> torch.Tensor:
+    """``kvquant.alignment.exponent_gaps`` in one pass (int16 ``[B, Hkv, L]``, the same integers):
+    ``min_c (e_o[c] − exponent_field(v_high[..., t, c]))`` for ``e_o`` int16 ``[B, Hkv, D]``."""
+    return module().exponent_gaps(e_o, v_high)
+
+
+def plane_tensors(store: Any) -> dict[str, Any]:
+    """``attend_planes``' store arguments from a ``kvquant.alignment.PlaneStore`` (duck-typed)."""
+    names = ("k_a", "k_b", "k_c", "tail_k", "v_a", "v_b", "v_c", "tail_v", "tiny_k", "tiny_v")
+    return {name: getattr(store, name) for name in names}
 
 
 def attend_kivi(

@@ -23,13 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvquant.bits import (
-    bits_to_fp16,
-    floor_log2,
-    fp16_bits,
-    split_planes,
-    truncate_bits,
-)
+from kvquant.bits import bits_to_fp16, floor_log2, fp16_bits, split_planes, truncate_bits
 from kvquant.errors import InvalidParameterError
 
 if sys.byteorder != "little":  # plane reads assemble fp16 from (low, high) byte pairs
@@ -112,14 +106,26 @@ def pairwise_sum(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
     return x.squeeze(dim)
 
 
+def exponent_gaps(e_o: torch.Tensor, v_high: torch.Tensor) -> torch.Tensor:
+    """``min_c (e_o[c] − exponent_field[j, c])`` per (batch, KV head, token) (int16), ``e_o`` ``[b, h, d]``
+    int16; field 0 (zeros, subnormals) stands for 2^-15. Integer math: any exact kernel may replace it."""
+    field = ((v_high >> 2) & 0x1F).to(torch.int16)
+    return (e_o.unsqueeze(2) - field).amin(dim=-1)
+
+
 def value_widths(
-    scores: torch.Tensor, v_high: torch.Tensor, thresholds: tuple[float, float], topk: int = 32
+    scores: torch.Tensor,
+    v_high: torch.Tensor,
+    thresholds: tuple[float, float],
+    topk: int = 32,
+    gaps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = exponent_gaps,
 ) -> torch.Tensor:
     """Bits to read per (batch, KV head, token).
 
     ``scores``: attention probabilities ``[b, q_heads, q_len, L]``; ``v_high``: plane A of every
     value ``[b, kv_heads, L, d]`` (uint8). Only plane A is used, as a kernel would: ``e(|v8|)`` is
-    its exponent field, with zeros and subnormals counted as 2^-15 (an upper bound).
+    its exponent field, with zeros and subnormals counted as 2^-15 (an upper bound). ``gaps``
+    computes ``exponent_gaps`` (``kernels_cpu.exponent_gaps`` does it in one C++ pass).
     """
     b, hq, q_len, n = scores.shape
     hkv, d = v_high.shape[1], v_high.shape[-1]
@@ -132,11 +138,24 @@ def value_widths(
     o_est = pairwise_sum(top_s.unsqueeze(-1) * top_v, dim=-2)  # [b, hkv, G·q, d], a fixed order
     # e(O_est[c]) − e(v8[j, c]) = (e(O_est[c]) + 15) − exponent_field[j, c]
     e_o = floor_log2(o_est).amin(dim=2).clamp(-(2**14), 2**14).to(torch.int16) + 15  # most demanding query
-    field = ((v_high >> 2) & 0x1F).to(torch.int16)  # zeros and subnormals: field 0, i.e. 2^-15
-    gap = (e_o.unsqueeze(2) - field).amin(dim=-1).float() - floor_log2(s).amax(dim=2)
+    gap = gaps(e_o, v_high).float() - floor_log2(s).amax(dim=2)
     # A token no query attends to (score 0) feeds nothing: any finite threshold lets it read 8 bits.
     gap = torch.where(s.amax(dim=2) == 0, float(NO_CONTRIBUTION), gap)
     return widths_from_gap(gap, thresholds)
+
+
+def block_widths(widths: torch.Tensor, block: int, offset: int = 0) -> torch.Tensor:
+    """Per-token widths ``[..., n]`` raised to the widest in their block of ``block`` tokens.
+
+    Blocks start every ``block`` tokens from ``offset`` tokens before the first (the store's first
+    token), so each block's rows are read at one width, contiguously; ``block`` 1 is the identity.
+    """
+    n = widths.shape[-1]
+    if block == 1 or n == 0:
+        return widths
+    lead = offset % block
+    padded = torch.nn.functional.pad(widths, (lead, (-(lead + n)) % block), value=8)  # 8: the narrowest read
+    return padded.unflatten(-1, (-1, block)).amax(-1).repeat_interleave(block, dim=-1)[..., lead : lead + n]
 
 
 def _i32(x: int) -> int:

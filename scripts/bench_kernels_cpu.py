@@ -3,6 +3,7 @@
 
     python scripts/bench_kernels_cpu.py                       # 9q/3kv x 64 and 32q/32kv x 128, 4K..32K, 1 thread
     python scripts/bench_kernels_cpu.py --threads 2 --contexts 16384 --warm
+    python scripts/bench_kernels_cpu.py --planes --contexts 4096,16384   # AlignedKV planes (below)
 
 One query token per sequence (batch 1) over a cache of ``context`` tokens. Columns (milliseconds,
 medians over ``--repeats``; with ``--cold``, the default, a buffer larger than the last-level
@@ -19,6 +20,21 @@ cache is written before each call, as when a model's other layers ran in between
   ``%cp``: that over the memcpy bandwidth measured in the same run (bytes read + written per second,
   as STREAM counts a copy); the header also gives a read-only bandwidth (an fp32 sum).
 
+With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on a ``PlaneStore``):
+
+- ``fp16``: fused fp16 on the same K/V (ms); ``u8``/``u12``/``u16``: every element read at that width;
+- ``vb1``: the paper's widths, as ``AlignedLayer.decide_widths`` (the torch rules) chooses them for
+  the store and the query; ``vb8``/``vb16``/``vb64``: the same with value widths per block of that
+  many tokens (``v_block``). Each gives ``bits`` (mean bits read per K/V element, the fp16 tail at 16;
+  the rule's metadata not counted), ``x`` (time / fused fp16) and ``id`` (the byte-proportional ideal,
+  bits / 16); ``rule``: the torch rules' own time per step (ms), which ``backend=cpu`` adds to ``vb*``.
+
+K/V are synthetic with the statistics the rules react to: per-channel key scales (log-uniform over
+four binades, four outlier channels eight times larger), attention logits of standard deviation
+``SPREAD`` plus four attention-sink tokens aligned with the queries at logit ``ln(context)`` (about
+half the attention, as in trained models), values N(0, 1). The widths are whatever the rules decide
+on them, reported as bits.
+
 Needs only torch and a built ``kernels_cpu`` (``python -m kernels_cpu build``). Times on a shared
 machine are noisy: compare ratios within one run.
 """
@@ -26,6 +42,7 @@ machine are noisy: compare ratios within one run.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -150,6 +167,91 @@ def bench_row(
     return row
 
 
+V_BLOCKS = (1, 8, 16, 64)
+SPREAD = 2.5  # standard deviation of the non-sink attention logits
+
+
+def planes_inputs(hq: int, hkv: int, d: int, length: int):
+    """``(q, k, v, store)``: the synthetic K/V (module docstring) in fp16 and as planes, and a query."""
+    from kvquant.alignment import PlaneStore
+
+    scale = 2.0 ** (torch.rand(d) * 4 - 2)
+    scale[:4] *= 8
+    k = torch.randn(1, hkv, length, d) * scale
+    v = torch.randn(1, hkv, length, d)
+    q = torch.randn(1, hq, 1, d) * SPREAD * d**0.25 / scale.square().mean().sqrt()
+    direction = q.view(1, hkv, hq // hkv, d).mean(2)
+    unit = direction / direction.norm(dim=-1, keepdim=True)
+    sink = math.log(length) * d**0.5 / (q.view(1, hkv, hq // hkv, d) * unit.unsqueeze(2)).sum(-1).mean(-1)
+    k[:, :, :4] = (unit * sink.unsqueeze(-1)).unsqueeze(2)
+    store = PlaneStore()
+    store.append(k.half(), v.half())
+    return q, k.half(), v.half(), store
+
+
+def rule_widths(q: torch.Tensor, store, hq: int, hkv: int, d: int, v_block: int):
+    """The rules' widths for one decode step, as ``AlignedLayer.decide_widths`` takes them on the cpu backend."""
+    from kvquant.cache import KVGeometry
+    from kvquant.methods import get_method
+
+    geometry = KVGeometry(n_layers=1, n_heads=hq, n_kv_heads=hkv, head_dim=d)
+    layer = get_method("alignedkv", v_block=v_block).new_layer(0, geometry, backend="cpu")
+    layer.store, layer.visible = store, store.n_tokens
+    _, wk, wv = layer.decide_widths(q, None, d**-0.5)
+    return wk, wv
+
+
+def bits_read(store, wk: torch.Tensor | int, wv: torch.Tensor | int) -> float:
+    """Mean bits per K/V element for one step: plane tokens at their widths, the fp16 tail at 16."""
+    _, h, tail, d = store.tail_k.shape
+    n = store.n_full
+    k_bits = float(torch.as_tensor(wk).double().mean()) * h * n * d
+    v_bits = float(torch.as_tensor(wv).double().mean()) * h * n * d
+    return (k_bits + v_bits + 2 * 16 * h * tail * d) / (2 * h * (n + tail) * d)
+
+
+def interleaved_ms(fns: dict, repeats: int, flush: torch.Tensor | None) -> dict:
+    """Median milliseconds of each function, timed in rounds of one call each (a shared machine's load
+    then weighs on all of them alike, so their ratios hold better than with back-to-back repeats)."""
+    times: dict = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if flush is not None:
+                flush.add_(1)
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torch.Tensor | None) -> str:
+    """The ``--planes`` table's columns after shape and context."""
+    q, k, v, store = planes_inputs(hq, hkv, d, length)
+    args = kernels_cpu.plane_tensors(store)
+    fns = {"fp16": lambda: kernels_cpu.attend_fp16(q, k, v)}
+    for w in (8, 12, 16):
+        fns[f"u{w}"] = lambda w=w: kernels_cpu.attend_planes(q, **args, k_widths=w, v_widths=w)
+    bits = {}
+    for v_block in V_BLOCKS:
+        wk, wv = rule_widths(q, store, hq, hkv, d, v_block)
+        bits[v_block] = bits_read(store, wk, wv)
+        fns[f"vb{v_block}"] = lambda wk=wk, wv=wv: kernels_cpu.attend_planes(q, **args, k_widths=wk, v_widths=wv)
+    fns["rule"] = lambda: rule_widths(q, store, hq, hkv, d, 1)
+    t = interleaved_ms(fns, repeats, flush)
+    row = f" {t['fp16']:>7.2f}" + "".join(f" {t[f'u{w}'] / t['fp16']:>5.2f}" for w in (8, 12, 16))
+    for v_block in V_BLOCKS:
+        row += f" {bits[v_block]:>5.2f} {t[f'vb{v_block}'] / t['fp16']:>5.2f} {bits[v_block] / 16:>5.2f}"
+    return row + f" {t['rule']:>7.2f}"
+
+
+def planes_header() -> str:
+    head = f"{'shape':<15} {'ctx':>6} {'fp16':>7} {'u8':>5} {'u12':>5} {'u16':>5}"
+    head += "".join(f" {'bits':>5} {f'vb{b}':>5} {'id':>5}" for b in V_BLOCKS)
+    return head + f" {'rule':>7}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
@@ -158,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warm", dest="cold", action="store_false", help="do not flush the caches between calls")
     parser.add_argument("--gear", action="store_true", help="add GEAR-2/4 columns (group 64, 2%% outliers, rank 4)")
+    parser.add_argument("--planes", action="store_true", help="AlignedKV's planes vs fused fp16 instead")
     args = parser.parse_args(argv)
 
     ok, why = kernels_cpu.status()
@@ -171,6 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
     caches = "cold" if args.cold else "warm"
     print(f"# {cpu}; {args.threads} thread(s); {caches} caches; memcpy {bandwidth:.1f} GB/s, read {read:.1f} GB/s")
+    if args.planes:
+        print(f"# medians of {args.repeats} interleaved rounds; fp16, rule: ms; the rest: time / fp16; id = bits / 16")
+        print(planes_header())
+        for shape in args.shapes.split(","):
+            hq, hkv, d = SHAPES[shape.strip()]
+            for length in (int(c) for c in args.contexts.split(",")):
+                print(f"{shape:<15} {length:>6}{planes_row(hq, hkv, d, length, args.repeats, flush)}", flush=True)
+        return 0
     print(f"# medians of {args.repeats} (ms); x = time / fused fp16; %cp = read GB/s / copy GB/s; provisional")
     head = f"{'shape':<15} {'ctx':>6} {'torch':>8} {'x':>6} {'fp16':>7} {'GB/s':>6} {'%cp':>4}"
     names = ["kivi2", "kivi4"] + (["gear2", "gear4"] if args.gear else [])

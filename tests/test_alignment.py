@@ -12,6 +12,7 @@ from kvquant.alignment import (
     accumulation_margin,
     block_exponent_field,
     block_key_widths,
+    block_widths,
     check_thresholds,
     key_widths,
     strided_topk_indices,
@@ -236,3 +237,21 @@ def test_block_widths_read_each_block_at_its_own_width():
     per_token = widths.repeat_interleave(BLOCK, dim=2)  # [1, 2, 3·64, 16]
     expected = torch.cat([bits.truncate(k[:, :, : 3 * BLOCK], per_token), k[:, :, 3 * BLOCK :]], dim=2)
     assert torch.equal(store.read_keys(widths), expected)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 200), block=st.integers(1, 70), offset=st.integers(0, 300), seed=st.integers(0, 2**16))
+def test_block_widths_are_the_widest_of_each_block(n, block, offset, seed):
+    """``v_block``: every token of a block (counted from ``offset`` tokens before the first) reads at
+    the widest width any of its tokens needs; never narrower; a block of 1 changes nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = (8 + 4 * torch.randint(0, 3, (2, 3, n), generator=gen)).to(torch.int32)
+    out = block_widths(widths, block, offset)
+    assert out.shape == widths.shape and out.dtype == widths.dtype
+    assert bool((out >= widths).all())
+    blocks = (torch.arange(n) + offset) // block
+    for b in blocks.unique().tolist():
+        inside = blocks == b
+        assert torch.equal(out[..., inside], widths[..., inside].amax(-1, keepdim=True).expand_as(out[..., inside]))
+    if block == 1:
+        assert torch.equal(out, widths)

@@ -17,6 +17,7 @@ def test_frontier_writes_csv_and_plot(tmp_path):
         "experiment.new_tokens=6",
         "experiment.keep=[9,16]",
         "experiment.margins=[0,2]",
+        "experiment.v_blocks=[1,64]",
     )
     rows = {r["label"]: r for r in csv.DictReader(open(fig / "frontier_alignedkv.csv"))}
     assert set(rows) == {
@@ -26,7 +27,20 @@ def test_frontier_writes_csv_and_plot(tmp_path):
         "alignedkv margin=2",
         "alignedkv_plus margin=0",
         "alignedkv_plus margin=2",
+        "alignedkv v_block=1",
+        "alignedkv v_block=64",
+        "alignedkv_plus v_block=1",
+        "alignedkv_plus v_block=64",
     }
+    for rule in ("alignedkv", "alignedkv_plus"):  # v_block=1 is margin=0, computed once
+        paper, block = rows[f"{rule} v_block=1"], rows[f"{rule} v_block=64"]
+        assert {k: v for k, v in paper.items() if k not in ("rule", "param", "label")} == {
+            k: v for k, v in rows[f"{rule} margin=0"].items() if k not in ("rule", "param", "label")
+        }
+        assert paper["rule"] == block["rule"] == f"{rule} v_block" and float(block["v_block"]) == 64
+        assert float(paper["bits_read_v"]) < float(block["bits_read_v"]) < 16.5
+        assert float(paper["bits_read_k"]) == float(block["bits_read_k"]) or rule == "alignedkv_plus"
+    assert rows["truncation keep=9"]["v_block"] == "" and float(rows["alignedkv margin=2"]["v_block"]) == 1
     full = rows["truncation keep=16"]
     assert float(full["kl"]) == 0.0 and float(full["greedy_match"]) == 1.0 and float(full["qk =0"]) == 1.0
     assert float(rows["truncation keep=9"]["bits_read"]) == 9.0

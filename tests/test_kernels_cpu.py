@@ -230,6 +230,142 @@ def test_gear_matches_reference(built, threads, case):
     assert_close(kernels_cpu.attend_gear(q, **args, causal=True), ref)
 
 
+# ---------------------------------------------------------------- AlignedKV planes, truncation
+
+
+def plane_store(batch: int, kv_heads: int, length: int, head_dim: int, tiny: bool, blockwise: bool, seed: int):
+    """A ``PlaneStore`` filled as ``AlignedLayer`` fills it (a prefill, then single tokens); ``tiny``
+    puts zeros and values below 2^-16 in, so plane A reads as ±0 somewhere (the ±0 rule applies)."""
+    from kvquant.alignment import PlaneStore
+
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, kv_heads, length, head_dim, generator=g) * torch.rand(1, 1, 1, head_dim, generator=g) * 4
+    v = torch.randn(batch, kv_heads, length, head_dim, generator=g)
+    if tiny:
+        k[..., 0, :3], v[..., 1, :], v[..., 2, 1::2] = 0.0, -1e-7, 3e-6
+    else:  # away from zero: no plane-A byte reads as ±0
+        k, v = k.sign() * (k.abs() + 0.01), v.sign() * (v.abs() + 0.01)
+    store = PlaneStore(block_exponents=blockwise)
+    first = max(1, length - 3)
+    store.append(k[:, :, :first].half(), v[:, :, :first].half())
+    for t in range(first, length):
+        store.append(k[:, :, t : t + 1].half(), v[:, :, t : t + 1].half())
+    assert store.tiny_k == store.tiny_v == (tiny and store.n_full > 0)
+    return store
+
+
+def random_widths(*shape: int, seed: int) -> torch.Tensor:
+    choice = torch.randint(0, 3, shape, generator=torch.Generator().manual_seed(seed))
+    return (8 + 4 * choice).to(torch.int32)
+
+
+# (batch, q heads, kv heads, q_len, tokens, head_dim, per-block key widths): GQA 3 and 4, MHA, MQA; head
+# dims 8, 64, 128 and 48; tails (L mod 64 != 0), a store still all tail (L < 64) and one of whole blocks.
+PLANE_SHAPES = [
+    (1, 9, 3, 1, 4133, 64, False),
+    (2, 8, 2, 3, 130, 128, True),
+    (1, 4, 4, 1, 63, 8, False),
+    (2, 6, 3, 5, 200, 8, True),
+    (3, 4, 1, 1, 256, 64, False),
+    (2, 2, 1, 20, 97, 48, False),
+    (1, 32, 8, 2, 1100, 128, True),
+]
+
+
+@pytest.mark.parametrize("tiny", [True, False], ids=["tiny", "normal"])
+@pytest.mark.parametrize("shape", PLANE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_planes_match_the_torch_reader(built, threads, shape, tiny):
+    """Per-channel (or per-block) key widths and per-token value widths, as the rules hand them over,
+    or one width for all: the kernel equals fp64 attention over what ``PlaneStore`` reads at them."""
+    b, hq, hkv, q_len, length, d, blockwise = shape
+    store = plane_store(b, hkv, length, d, tiny, blockwise, seed=length + d)
+    nb = store.n_full // 64
+    wk = random_widths(b, hkv, nb, d, seed=1) if blockwise else random_widths(b, hkv, d, seed=1)
+    wv = random_widths(b, hkv, store.n_full, seed=2)
+    q = torch.randn(b, hq, q_len, d, generator=torch.Generator().manual_seed(3))
+    mask = causal_padding_mask(b, q_len, length, [min(i * 7, length - q_len) for i in range(b)])
+    args = kernels_cpu.plane_tensors(store)
+    for k_widths, v_widths in ((wk, wv), (8, 8), (12, 16), (16, 12)):
+        keys, values = store.read_keys(k_widths, torch.float32), store.read_values(v_widths, torch.float32)
+        out = kernels_cpu.attend_planes(q, **args, k_widths=k_widths, v_widths=v_widths, mask=mask)
+        assert_close(out, reference(q, keys, values, mask))
+    causal = causal_padding_mask(b, q_len, length, [0] * b)
+    out = kernels_cpu.attend_planes(q, **args, k_widths=wk, v_widths=wv, causal=q_len > 1, scaling=0.2)
+    ref = reference(q, store.read_keys(wk, torch.float32), store.read_values(wv, torch.float32), causal, 0.2)
+    assert_close(out, ref)
+
+
+def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
+    """All 63,488 finite fp16 patterns as values (31 whole blocks of 32 channels) at 8, 12 and 16 bits,
+    each query row seeing one value: the output is that value as the kernel read it, bit for bit."""
+    from kvquant.alignment import PlaneStore
+    from kvquant.bits import bits_to_fp16
+
+    patterns = torch.arange(1 << 16, dtype=torch.int32)
+    values = bits_to_fp16(patterns[((patterns >> 10) & 0x1F) != 31]).view(1, 1, -1, 32)
+    store = PlaneStore()
+    store.append(values, values)
+    n = values.shape[2]
+    assert store.n_full == n and store.tiny_v
+    mask = torch.eye(n, dtype=torch.bool)[None, None]  # query row i sees value i only
+    for width in (8, 12, 16):
+        out = kernels_cpu.attend_planes(
+            torch.zeros(1, 1, n, 32), **kernels_cpu.plane_tensors(store), k_widths=width, v_widths=width, mask=mask
+        )
+        assert torch.equal(out, store.read_values(width, torch.float32))
+
+
+@pytest.mark.parametrize("shape", PLANE_SHAPES[:4] + PLANE_SHAPES[5:], ids=lambda s: "x".join(map(str, s)))
+def test_rule_helpers_equal_the_torch_code_bit_for_bit(built, threads, shape):
+    """What the cpu backend hands the torch rules: keys read at their widths (``read_plane_keys`` =
+    ``PlaneStore.read_keys``) and the value rule's per-token exponent gaps, the same bits."""
+    from kvquant.alignment import exponent_gaps
+
+    b, _, hkv, _, length, d, blockwise = shape
+    for tiny in (True, False):
+        store = plane_store(b, hkv, length, d, tiny, blockwise, seed=length)
+        nb = store.n_full // 64
+        wk = random_widths(b, hkv, nb, d, seed=4) if blockwise else random_widths(b, hkv, d, seed=4)
+        for widths in (wk, 8, 12, 16):
+            got = kernels_cpu.read_plane_keys(
+                store.k_a, store.k_b, store.k_c, store.tail_k, k_widths=widths, tiny_k=store.tiny_k
+            )
+            assert torch.equal(got.view(torch.int32), store.read_keys(widths, torch.float32).view(torch.int32))
+        v_high = store.value_high_bytes()
+        e_o = torch.randint(-40, 40, (b, hkv, d), dtype=torch.int16, generator=torch.Generator().manual_seed(5))
+        assert torch.equal(kernels_cpu.exponent_gaps(e_o, v_high), exponent_gaps(e_o, v_high))
+
+
+@pytest.mark.parametrize("keep", [6, 9, 13, 15, 16])
+def test_fp16_kernel_truncates_as_kvquant_bits(built, threads, keep):
+    from kvquant.bits import truncate
+
+    b, hq, hkv, q_len, length, d = 2, 6, 3, 3, 201, 64
+    torch.manual_seed(keep)
+    layer = fp16_store(b, hkv, length, d)
+    layer.keys[0, 0, :2] = 0.0  # zeros and a tiny value keep their ±0 read
+    layer.values[1, 2, 5] = -1e-7
+    q = torch.randn(b, hq, q_len, d)
+    mask = causal_padding_mask(b, q_len, length, [0, 9])
+    out = kernels_cpu.attend_fp16(q, layer.keys, layer.values, mask=mask, keep_bits=keep)
+    ref = reference(q, truncate(layer.keys, keep).float(), truncate(layer.values, keep).float(), mask)
+    assert_close(out, ref)
+
+
+def test_planes_bad_arguments_raise_one_line(built):
+    store = plane_store(1, 2, 130, 16, False, False, seed=0)
+    args = kernels_cpu.plane_tensors(store)
+    q = torch.randn(1, 4, 1, 16)
+    with pytest.raises(RuntimeError, match="widths 8, 12 or 16"):
+        kernels_cpu.attend_planes(q, **args, k_widths=10, v_widths=8)
+    with pytest.raises(RuntimeError, match="widths 8, 12 or 16"):
+        kernels_cpu.attend_planes(q, **args, k_widths=8, v_widths=torch.full((1, 2, 128), 9))
+    with pytest.raises(RuntimeError, match="must hold 128 tokens"):
+        kernels_cpu.attend_planes(q, **{**args, "v_a": args["v_a"][:, :, :64]}, k_widths=8, v_widths=8)
+    with pytest.raises(RuntimeError, match="keep_bits must be in 6..16"):
+        kernels_cpu.attend_fp16(q, store.tail_k, store.tail_v, keep_bits=5)
+
+
 # ---------------------------------------------------------------- build and status
 
 
@@ -278,6 +414,6 @@ def test_build_folder_is_keyed_by_compiler_and_lives_in_the_cache(monkeypatch, t
 def test_registers_with_the_backend_seam():
     backends = pytest.importorskip("kvquant.backends")
     cpu = backends.get_backend("cpu")
-    assert cpu is not None and cpu.device_type == "cpu" and cpu.formats == {"fp16", "kivi", "gear"}
+    assert cpu is not None and cpu.device_type == "cpu" and cpu.formats == {"fp16", "kivi", "gear", "planes"}
     assert cpu.status() == kernels_cpu.status()
-    assert cpu.ops.attend_kivi is kernels_cpu.attend_kivi
+    assert cpu.ops.attend_kivi is kernels_cpu.attend_kivi and cpu.ops.attend_planes is kernels_cpu.attend_planes

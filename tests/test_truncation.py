@@ -41,3 +41,38 @@ def test_out_of_range_values_name_the_layer():
     k[0, 0, 1, 2] = 1e6
     with pytest.raises(KvquantError, match="layer 3: 1 key values are NaN/inf or outside fp16's range"):
         layer.update(k, torch.ones(1, 1, 2, 4))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("keep", [9, 13])
+def test_the_cpu_kernel_follows_the_torch_path(stories, keep):
+    """``backend=cpu``: the fp16 kernel reads the fp16 store and truncates in registers. Along the torch
+    path's greedy tokens the mean KL between the two is below 1e-6 (fp32 summation order), the bits
+    read are the same, its own greedy run first differs (if ever) at a near-tie."""
+    from conftest import require_kernels_cpu
+
+    from kvquant.eval.fidelity import first_flip_is_near_tie, greedy_decode, kl_divergence
+
+    require_kernels_cpu()
+    model, tok = stories
+    ids = tok("Once upon a time, a little fox", return_tensors="pt").input_ids[0]
+    runs, before = {}, model.config._attn_implementation
+    for backend in ("torch", "cpu"):
+        method = get_method("truncation", keep_bits=keep, backend=backend)
+        with method.attach(model):
+            cache = method.new_cache(model)
+            free = greedy_decode(model, ids, cache, 40)
+            forced = greedy_decode(
+                model, ids, method.new_cache(model), 40, forced=runs["torch"][0].tokens if runs else None
+            )
+            runs[backend] = (free, forced, cache)
+        assert cache.backend == backend and model.config._attn_implementation == before  # attach restores it
+    (free_t, _, cache_t), (free_c, forced_c, cache_c) = runs["torch"], runs["cpu"]
+    assert kl_divergence(free_t.logprobs, forced_c.logprobs).mean() < 1e-6
+    assert first_flip_is_near_tie(free_t.tokens, free_t.logprobs, free_c.tokens)
+    assert cache_c.stats() == cache_t.stats() and cache_c.stats()["bits_read"] == keep
+
+
+def test_backend_is_validated():
+    with pytest.raises(InvalidParameterError, match="unknown backend 'gpu'"):
+        get_method("truncation", backend="gpu")

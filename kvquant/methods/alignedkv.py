@@ -25,7 +25,9 @@ from kvquant.alignment import (
     PlaneStore,
     accumulation_margin,
     block_key_widths,
+    block_widths,
     check_thresholds,
+    exponent_gaps,
     key_widths,
     value_widths,
 )
@@ -70,6 +72,8 @@ class AlignedLayer(KVLayer):
         window: int | None = None,
     ):
         super().__init__(layer_idx, window)
+        if backend == "cpu" and window is not None:
+            raise InvalidParameterError(f"layer {layer_idx}: the cpu plane kernel has no sliding window ({window})")
         self.method, self.backend = method, backend
         self.visible = 0  # the newest tokens of the store this step's attention sees
         self.store = self.new_store()
@@ -137,20 +141,36 @@ class AlignedLayer(KVLayer):
         """Tokens a sliding layer has dropped (whole blocks that fell out of its window)."""
         return self.seen - self.store.n_tokens
 
-    def aligned_read(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None):
-        """Decide widths for this step and read K and V at them; returns ``(keys, values, wk, wv)``,
-        ``keys``/``values`` being what attention sees and ``wv`` the widths of its block tokens."""
+    def decide_widths(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None):
+        """The rules for this step: ``(keys, wk, wv)``, ``keys`` as read at ``wk`` (the value rule's
+        scores come from them) and ``wv`` the widths of the block tokens attention sees, raised to the
+        widest of each ``v_block`` (counted from the store's first token). On the cpu backend
+        ``kernels_cpu`` reads the keys and takes the value rule's per-token exponent gaps, bit for bit
+        as the torch code does; the arithmetic (scores, top-k, ``O_est``) stays torch's."""
         store, method, first = self.store, self.method, self.first_visible
         k_thresholds = method.thresholds_for(method.k_thresholds, query.shape[-1])
         if method.blockwise and store.k_exp is not None:
             wk = block_key_widths(query, store.k_absmax, store.k_exp, k_thresholds)
         else:
             wk = key_widths(query, store.k_absmax, k_thresholds)
-        keys = store.read_keys(wk, query.dtype)[:, :, first:]
+        gaps = exponent_gaps
+        if self.backend == "cpu":  # the same bits and integers as read_keys and exponent_gaps, in C++
+            ops = get_backend("cpu").ops
+            keys = ops.read_plane_keys(store.k_a, store.k_b, store.k_c, store.tail_k, k_widths=wk, tiny_k=store.tiny_k)
+            keys, gaps = keys[:, :, first:].to(query.dtype), ops.exponent_gaps
+        else:
+            keys = store.read_keys(wk, query.dtype)[:, :, first:]
         scores = _scores(query, keys.float(), attention_mask, scaling, softcap)
         v_thresholds = method.thresholds_for(method.v_thresholds, self.visible)
-        wv_all = value_widths(scores, store.value_high_bytes()[:, :, first:], v_thresholds, method.topk)
-        wv = wv_all[:, :, : max(0, store.n_full - first)]
+        wv_all = value_widths(scores, store.value_high_bytes()[:, :, first:], v_thresholds, method.topk, gaps)
+        wv = block_widths(wv_all[:, :, : max(0, store.n_full - first)], method.v_block, first)
+        return keys, wk, wv
+
+    def aligned_read(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None):
+        """Decide widths for this step and read K and V at them; returns ``(keys, values, wk, wv)``,
+        ``keys``/``values`` being what attention sees and ``wv`` the widths of its block tokens."""
+        store, first = self.store, self.first_visible
+        keys, wk, wv = self.decide_widths(query, attention_mask, scaling, softcap)
         unseen = wv.new_full((*wv.shape[:2], min(first, store.n_full)), 16)  # held, out of the window: not read
         values = store.read_values(torch.cat([unseen, wv], dim=2) if first else wv, query.dtype)[:, :, first:]
         if self.capture_products:
@@ -164,9 +184,28 @@ class AlignedLayer(KVLayer):
             out, wk, wv = get_backend("cupy").ops.attend(self.method, self.store, query, attention_mask, scaling)
             self._record(wk, wv)
             return out, None
+        if self.backend == "cpu" and not self.capture_products:
+            return self._attend_cpu(query, attention_mask, scaling), None
         keys, values, wk, wv = self.aligned_read(query, attention_mask, scaling, kwargs.get("softcap"))
         self._record(wk, wv)
         return stock_attention(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
+
+    def _attend_cpu(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+        """The widths from the torch rules, then ``kernels_cpu`` attends over the planes at them."""
+        _, wk, wv = self.decide_widths(query, attention_mask, scaling)
+        self._record(wk, wv)
+        ops, n = get_backend("cpu").ops, self.store.n_tokens
+        mask = attention_mask[..., :n] if attention_mask is not None else None
+        out = ops.attend_planes(
+            query,
+            **ops.plane_tensors(self.store),
+            k_widths=wk,
+            v_widths=wv,
+            mask=mask,
+            scaling=scaling,
+            causal=mask is None and query.shape[2] > 1,
+        )
+        return out.transpose(1, 2).contiguous()
 
     def _record(self, wk: torch.Tensor, wv: torch.Tensor) -> None:
         """Per-head width counts of the tokens this step's attention saw; folded into ``counts()``
@@ -238,10 +277,14 @@ class AlignedKVMethod(KVMethod):
     ``prefill_aligned`` applies the rule to multi-token forwards too (chunked log-likelihood);
     ``margin`` adds binades to every threshold (0 = the paper) and ``accumulation_margin`` adds
     ``kvquant.alignment.accumulation_margin(n)`` for the ``n`` addends of each sum (head_dim for
-    ``QKᵀ``, context length for ``SV``). ``backend``: ``torch`` (this reference), ``cupy`` (the
-    kernels in ``kernels_cupy``) or ``auto`` (cupy on a CUDA device). The default stays ``torch``
-    until ``scripts/gpu_check.sh`` has validated the kernels on a GPU (none was lent so far); the
-    backend a cache uses is resolved when it is built and kept on the cache, never on the method.
+    ``QKᵀ``, context length for ``SV``). ``v_block`` (beyond the paper, which is 1): value widths
+    are decided per block of that many tokens, each the widest any of its tokens needs, so a block
+    reads contiguously. ``backend``: ``torch`` (this reference), ``cpu`` (``kernels_cpu`` attends over
+    the planes at the widths the torch rules chose), ``cupy`` (the kernels in ``kernels_cupy``; per-token
+    value widths only) or ``auto`` (cupy on a CUDA device, cpu on a CPU where built). The default stays
+    ``torch`` until ``scripts/gpu_check.sh`` has validated the CuPy kernels on a GPU (none was lent so
+    far); the backend a cache uses is resolved when it is built and kept on the cache, never on the
+    method.
     """
 
     blockwise: ClassVar[bool] = False
@@ -253,6 +296,7 @@ class AlignedKVMethod(KVMethod):
     prefill_aligned: bool = False
     margin: float = 0.0
     accumulation_margin: bool = False
+    v_block: int = 1
     backend: str = "torch"
 
     def __post_init__(self) -> None:
@@ -263,6 +307,8 @@ class AlignedKVMethod(KVMethod):
         if self.margin < 0:
             raise InvalidParameterError(f"margin must be >= 0 binades, got {self.margin}")
         object.__setattr__(self, "margin", float(self.margin))
+        if isinstance(self.v_block, bool) or not isinstance(self.v_block, int) or self.v_block < 1:
+            raise InvalidParameterError(f"v_block must be a positive integer (tokens per width), got {self.v_block!r}")
         check_backend(self.backend)
 
     def thresholds_for(self, thresholds: tuple[float, float], n_addends: int) -> tuple[float, float]:
@@ -277,9 +323,9 @@ class AlignedKVMethod(KVMethod):
         """Planes for every layer, on the backend ``backend`` resolves to for the model's device.
 
         What the layout must give: a head dim that is a multiple of 8 (the plane layout) and query
-        heads that share KV heads evenly; else one line. The CuPy kernels apply neither logit
-        soft-capping nor a sliding window: such a model runs the torch reference (``auto``) or is
-        refused (``cupy``).
+        heads that share KV heads evenly; else one line. The kernels (cpu, cupy) apply neither logit
+        soft-capping nor a sliding window, and CuPy's decide value widths per token only: such a
+        model or method runs the torch reference (``auto``) or is refused (``cpu``/``cupy``).
         """
         geometry = KVGeometry.of(model.config)
         if geometry.head_dim % 8:
@@ -296,8 +342,11 @@ class AlignedKVMethod(KVMethod):
         unsupported = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
         if geometry.sliding_window is not None:
             unsupported.append(f"sliding-window layers ({geometry.sliding_window})")
+        resolved = select_backend(self.backend, model.device, "planes")
+        if resolved == "cupy" and self.v_block > 1:
+            unsupported.append(f"value widths per block (v_block={self.v_block})")
         why = f"the plane kernels have no {' or '.join(unsupported)}" if unsupported else None
-        backend = kernel_backend(self.backend, select_backend(self.backend, model.device, "planes"), why)
+        backend = kernel_backend(self.backend, resolved, why)
         cache = KVCache([self.new_layer(i, geometry, backend) for i in range(geometry.n_layers)])
         cache.backend = backend
         return cache

@@ -1,0 +1,140 @@
+// fp16 bit patterns read at fewer bits, as kvquant.bits defines the read: the kept bits, the
+// dropped ones filled with 1000..., except that a read whose kept bits are +-0 gives +-0 (and, for
+// truncation, +-inf and NaN are returned unchanged). Two sources:
+// - truncation: an fp16 element, keep its top `keep` bits (6..16);
+// - AlignedKV's planes: plane A (the high byte) and nibbles of planes B and C (mantissa bits 7..4
+//   and 3..0, two elements per byte, the even one in the low nibble), read at 8, 12 or 16 bits.
+// Both give 16 fp32 lanes, so the loaders feed the driver's buffers directly.
+#pragma once
+
+#include "simd.h"
+
+namespace kvq {
+
+struct Keep {  // a truncated read: kept-bit mask and fill of one width
+  uint16_t mask = 0xffff, fill = 0;
+  explicit Keep(int keep = 16)
+      : mask(uint16_t(0xffffu << (16 - keep))), fill(uint16_t(keep < 16 ? 1u << (15 - keep) : 0u)) {}
+};
+
+inline uint16_t keep_scalar(uint16_t x, Keep k) {
+  if ((x & 0x7c00) == 0x7c00) return x;  // inf keeps its bits (the mask keeps them all), NaN too
+  const uint16_t kept = x & k.mask;
+  return (kept & 0x7fff) == 0 ? kept : uint16_t(kept | k.fill);
+}
+
+// One element of the planes at WB bits: a = plane A byte, bn/cn = its B and C nibbles.
+template <int WB>
+inline uint16_t plane_scalar(uint8_t a, uint8_t bn, uint8_t cn) {
+  if constexpr (WB == 16) return uint16_t(a << 8 | bn << 4 | cn);
+  const uint16_t kept = WB == 8 ? uint16_t(a << 8) : uint16_t(a << 8 | bn << 4);
+  return (kept & 0x7fff) == 0 ? kept : uint16_t(kept | (WB == 8 ? 0x80 : 0x08));
+}
+
+inline uint8_t nibble(const uint8_t* p, int i) { return (p[i / 2] >> (4 * (i % 2))) & 0x0f; }
+
+#if KVQ_AVX512
+
+// n (<= 16) fp16 elements truncated to k; lanes past n are 0.
+[[gnu::always_inline]] inline vf half_keep(const uint16_t* p, mk m, Keep k) {
+  const __m256i x = _mm256_maskz_loadu_epi16(m, p);
+  const __m256i kept = _mm256_and_si256(x, _mm256_set1_epi16(short(k.mask)));
+  const __mmask16 special =
+      _mm256_cmpeq_epi16_mask(_mm256_and_si256(x, _mm256_set1_epi16(0x7c00)), _mm256_set1_epi16(0x7c00));
+  const __mmask16 live = _mm256_test_epi16_mask(kept, _mm256_set1_epi16(0x7fff));
+  const __m256i r = _mm256_or_si256(kept, _mm256_maskz_mov_epi16(live, _mm256_set1_epi16(short(k.fill))));
+  return _mm512_cvtph_ps(_mm256_mask_mov_epi16(r, special, x));
+}
+
+// 16 nibbles (8 bytes, the even element in the low nibble) as 16 bytes 0..15; n elements, the rest 0.
+inline __m128i nibble_bytes(const uint8_t* p, int n) {
+  const __m128i v = n >= W ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))
+                           : _mm_maskz_loadu_epi8(lanes((n + 1) / 2), p);
+  const __m128i low = _mm_set1_epi8(0x0f);
+  __m128i x = _mm_unpacklo_epi8(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+  return n >= W ? x : _mm_maskz_mov_epi8(lanes(n), x);
+}
+
+// n (< 16) consecutive elements of the planes at WB bits, lanes past n 0: masked loads, byte unpacks.
+template <int WB>
+[[gnu::noinline]] vf planes_part(const uint8_t* a, const uint8_t* b, const uint8_t* c, int n) {
+  const __m128i av = _mm_maskz_loadu_epi8(lanes(n), a);
+  const __mmask16 live_a = _mm_test_epi8_mask(av, _mm_set1_epi8(0x7f));
+  __m128i low;  // the low byte of each element: B<<4 | C, or B<<4 | fill, or the fill
+  if constexpr (WB == 8) {
+    low = _mm_maskz_mov_epi8(live_a, _mm_set1_epi8(char(0x80)));
+  } else {
+    const __m128i bn = nibble_bytes(b, n);
+    low = _mm_slli_epi16(bn, 4);  // nibbles < 16: no bit crosses into the next byte
+    if constexpr (WB == 12) {
+      const __mmask16 live = live_a | _mm_test_epi8_mask(bn, bn);
+      low = _mm_or_si128(low, _mm_maskz_mov_epi8(live, _mm_set1_epi8(0x08)));
+    } else {
+      low = _mm_or_si128(low, nibble_bytes(c, n));
+    }
+  }
+  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_unpackhi_epi8(low, av), _mm_unpacklo_epi8(low, av)));
+}
+
+// 16 consecutive elements of the planes at WB bits. Each plane is broadcast-loaded into both
+// 128-bit lanes (a load, no shuffle uop) and placed by one in-lane byte shuffle, so the work stays
+// off the one shuffle port: with 512-bit code in flight, Intel cores run vector uops on two ports
+// only. TINY applies the +-0 rule; without it (no element's plane A reads as +-0, as PlaneStore
+// records) the fill is a plain OR. Fewer than 16 elements: planes_part.
+template <int WB, bool TINY = true>
+[[gnu::always_inline]] inline vf planes16(const uint8_t* a, const uint8_t* b, const uint8_t* c, int n) {
+  if (n < W) [[unlikely]] return planes_part<WB>(a, b, c, n);
+  const __m256i to_high = _mm256_setr_epi8(-1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7,  //
+                                           -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15);
+  const __m256i hi = _mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))), to_high);  // a << 8
+  if constexpr (WB == 8) {
+    // kept magnitude > 0 (>= 0x100) gives min = 0x80, magnitude 0 gives 0
+    const __m256i magnitude = _mm256_and_si256(hi, _mm256_set1_epi16(0x7f00));
+    const __m256i fill = TINY ? _mm256_min_epu16(magnitude, _mm256_set1_epi16(0x80)) : _mm256_set1_epi16(0x80);
+    return _mm512_cvtph_ps(_mm256_or_si256(hi, fill));
+  } else {
+    // byte j of a nibble plane to the low byte of words 2j and 2j+1 (lane 0: bytes 0..3, lane 1: 4..7)
+    const __m256i spread = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,  //
+                                            4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1);
+    int64_t bw;
+    std::memcpy(&bw, b, 8);
+    // even words: low nibble << 4; odd words: the high nibble in place (masked below)
+    const __m256i bn = _mm256_sllv_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x(bw), spread),
+                                         _mm256_setr_epi16(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
+    const __m256i nib_hi = _mm256_set1_epi16(0xf0);
+    if constexpr (WB == 12) {
+      const __m256i x = _mm256_ternarylogic_epi32(hi, bn, nib_hi, 0xf8);  // hi | (bn & 0xf0)
+      const __m256i magnitude = _mm256_and_si256(x, _mm256_set1_epi16(0x7ff0));  // > 0 means >= 0x10
+      const __m256i fill = TINY ? _mm256_min_epu16(magnitude, _mm256_set1_epi16(0x08)) : _mm256_set1_epi16(0x08);
+      return _mm512_cvtph_ps(_mm256_or_si256(x, fill));
+    } else {
+      int64_t cw;
+      std::memcpy(&cw, c, 8);
+      const __m256i cn = _mm256_srlv_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x(cw), spread),
+                                           _mm256_setr_epi16(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
+      const __m256i low = _mm256_ternarylogic_epi32(nib_hi, bn, cn, 0xca);  // 0xf0 ? bn : cn, bitwise
+      return _mm512_cvtph_ps(_mm256_or_si256(hi, low));
+    }
+  }
+}
+
+#else
+
+inline vf half_keep(const uint16_t* p, mk m, Keep k) {
+  vf r{};
+  for (int i = 0; i < m; ++i) r.v[i] = half_to_float(keep_scalar(p[i], k));
+  return r;
+}
+
+template <int WB, bool TINY = true>
+inline vf planes16(const uint8_t* a, const uint8_t* b, const uint8_t* c, int n) {
+  vf r{};
+  for (int i = 0; i < lanes(n); ++i)
+    r.v[i] = half_to_float(plane_scalar<WB>(a[i], WB > 8 ? nibble(b, i) : 0, WB > 12 ? nibble(c, i) : 0));
+  return r;
+}
+
+#endif
+
+}  // namespace kvq
