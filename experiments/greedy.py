@@ -57,6 +57,13 @@ def build_methods(specs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, s
     return methods, skipped
 
 
+def prompt_windows(model, tokenizer, exp: Any) -> list[torch.Tensor]:
+    """The ``exp.prompts`` WikiText-2 windows of ``exp.prompt_tokens`` tokens, refused (one line) when they
+    and ``exp.new_tokens`` exceed the model's context."""
+    check_fits(model, int(exp.prompt_tokens), int(exp.new_tokens), "experiment.prompt_tokens")
+    return windows(wikitext_ids(tokenizer), int(exp.prompts), int(exp.prompt_tokens))
+
+
 def references(model, prompts: list[torch.Tensor], new_tokens: int) -> list[Decoded]:
     """fp16's greedy decode of every prompt: what each cache is compared with (and timed against, so one
     untimed warm-up decode comes first)."""

@@ -100,7 +100,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from experiments.evaluate import load
-    from experiments.greedy import check_fits, wikitext_ids, windows
+    from experiments.greedy import prompt_windows
     from kvquant.errors import KvquantError
     from kvquant.eval.fidelity import NEAR_TIE
     from kvquant.methods import get_method
@@ -108,8 +108,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     exp = cfg.experiment
     model, tok, device = load(cfg)
     new_tokens, prompt_tokens = int(exp.new_tokens), int(exp.prompt_tokens)
-    check_fits(model, prompt_tokens, new_tokens, "experiment.prompt_tokens")
-    prompts = windows(wikitext_ids(tok), int(exp.prompts), prompt_tokens)
+    prompts = prompt_windows(model, tok, exp)
     rows = []
     for name in tqdm([str(m) for m in exp.methods], desc=NAME, disable=not cfg.progress):
         try:

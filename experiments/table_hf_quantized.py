@@ -98,14 +98,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from experiments.evaluate import load
-    from experiments.greedy import build_methods, check_fits, compare, references, wikitext_ids, windows
+    from experiments.greedy import build_methods, compare, prompt_windows, references
     from kvquant.errors import KvquantError
 
     exp = cfg.experiment
     model, tok, device = load(cfg)
     new_tokens, prompt_tokens = int(exp.new_tokens), int(exp.prompt_tokens)
-    check_fits(model, prompt_tokens, new_tokens, "experiment.prompt_tokens")
-    prompts = windows(wikitext_ids(tok), int(exp.prompts), prompt_tokens)
+    prompts = prompt_windows(model, tok, exp)
     refs = references(model, prompts, new_tokens)
     fp16_decode_s = sum(r.decode_s for r in refs)
     methods, skipped = build_methods(OmegaConf.to_container(exp.methods, resolve=True))
