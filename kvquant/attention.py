@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from kvquant.backends import select_backend
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
 
@@ -161,3 +162,16 @@ def kernel_backend(requested: str, resolved: str, unsupported: str | None) -> st
         _WARNED.add(line)
         print(line, file=sys.stderr, flush=True)
     return "torch"
+
+
+def resolve_kernels(model, requested: str, fmt: str, missing: list[str]) -> str:
+    """The backend a cache of format ``fmt`` reads with on ``model``: ``select_backend``'s choice, unless
+    its kernels lack what the model needs (``missing``, e.g. ``["sliding-window layers (4096)"]``) —
+    then ``kernel_backend`` decides — and the model's attention routed to the kernels when they run."""
+    resolved = select_backend(requested, getattr(model, "device", None), fmt)
+    backend = kernel_backend(
+        requested, resolved, f"the {fmt} kernels have no {' or '.join(missing)}" if missing else None
+    )
+    if backend != "torch":
+        route_attention(model, NAME)
+    return backend

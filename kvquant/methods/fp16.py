@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from kvquant.attention import NAME as KVQUANT_ATTENTION
-from kvquant.attention import kernel_backend, route_attention, tagged_placeholder
-from kvquant.backends import check_backend, get_backend, select_backend
+from kvquant.attention import resolve_kernels, tagged_placeholder
+from kvquant.backends import check_backend, get_backend
 from kvquant.cache import CropError, KVCache, KVGeometry, KVLayer, to_fp16_checked
 from kvquant.methods.base import KVMethod, register_method
 
@@ -130,6 +129,13 @@ class Fp16Layer(KVLayer):
         self.seen, self._attend_kv = 0, None
 
 
+def softcap_missing(geometry: KVGeometry) -> list[str]:
+    """What the fp16 kernel lacks for this model (``resolve_kernels``'s ``missing``): logit soft-capping."""
+    if geometry.softcap is None:
+        return []
+    return [f"attention-logit soft-capping ({geometry.model_type}: {geometry.softcap})"]
+
+
 @dataclass(frozen=True)
 class Fp16Method(KVMethod):
     """Plain half-precision cache: 16 bits stored, 16 read. ``backend``: ``torch`` (reference),
@@ -150,13 +156,7 @@ class Fp16Method(KVMethod):
         """Layers on the backend ``backend`` resolves to; the kernel has no logit soft-capping, so a
         soft-capped model (Gemma-2) runs the torch reference (``auto``) or is refused (``cpu``)."""
         geometry, buffer = KVGeometry.of(model.config), ReadBuffer()
-        softcap = geometry.softcap
-        why = f"the fp16 kernel has no attention-logit soft-capping ({geometry.model_type}: {softcap})"
-        backend = kernel_backend(
-            self.backend, select_backend(self.backend, model.device, "fp16"), why if softcap is not None else None
-        )
-        if backend != "torch":
-            route_attention(model, KVQUANT_ATTENTION)
+        backend = resolve_kernels(model, self.backend, "fp16", softcap_missing(geometry))
         cache = KVCache([self.new_layer(i, geometry, backend, buffer) for i in range(geometry.n_layers)])
         cache.backend = backend
         return cache

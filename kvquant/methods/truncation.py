@@ -17,14 +17,13 @@ from typing import Any
 
 import torch
 
-from kvquant.attention import NAME as KVQUANT_ATTENTION
-from kvquant.attention import kernel_backend, route_attention, tagged_placeholder
-from kvquant.backends import check_backend, get_backend, select_backend
+from kvquant.attention import resolve_kernels, tagged_placeholder
+from kvquant.backends import check_backend, get_backend
 from kvquant.bits import truncate
 from kvquant.cache import KVCache, KVGeometry
 from kvquant.errors import InvalidParameterError
 from kvquant.methods.base import KVMethod, register_method
-from kvquant.methods.fp16 import Fp16Layer
+from kvquant.methods.fp16 import Fp16Layer, softcap_missing
 
 
 class TruncationLayer(Fp16Layer):
@@ -83,13 +82,7 @@ class TruncationMethod(KVMethod):
         """Layers on the backend ``backend`` resolves to (format ``fp16``: the store is fp16); the kernel
         has no logit soft-capping, so a soft-capped model runs torch (``auto``) or is refused (``cpu``)."""
         geometry = KVGeometry.of(model.config)
-        softcap = geometry.softcap
-        why = f"the fp16 kernel has no attention-logit soft-capping ({geometry.model_type}: {softcap})"
-        backend = kernel_backend(
-            self.backend, select_backend(self.backend, model.device, "fp16"), why if softcap is not None else None
-        )
-        if backend != "torch":
-            route_attention(model, KVQUANT_ATTENTION)
+        backend = resolve_kernels(model, self.backend, "fp16", softcap_missing(geometry))
         cache = KVCache([self.new_layer(i, geometry, backend) for i in range(geometry.n_layers)])
         cache.backend = backend
         return cache

@@ -30,9 +30,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvquant.attention import NAME as KVQUANT_ATTENTION
-from kvquant.attention import kernel_backend, route_attention, tagged_placeholder
-from kvquant.backends import check_backend, get_backend, select_backend
+from kvquant.attention import resolve_kernels, tagged_placeholder
+from kvquant.backends import check_backend, get_backend
 from kvquant.cache import KVCache, KVGeometry, KVLayer, nbytes, whole_bit_widths
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.base import KVMethod
@@ -311,14 +310,10 @@ class WindowedMethod(KVMethod):
         model with either need runs the torch reference (``auto``) or is refused (``cpu``)."""
         geometry = KVGeometry.of(model.config)
         adaptations = self.adaptations(geometry)  # an explicit group size that cannot divide fails here
-        unsupported = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
+        missing = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
         if geometry.sliding_window is not None:
-            unsupported.append(f"sliding-window layers ({geometry.sliding_window})")
-        why = f"the {self.kernel_format} kernels have no {' or '.join(unsupported)}" if unsupported else None
-        resolved = select_backend(self.backend, getattr(model, "device", None), self.kernel_format)
-        backend = kernel_backend(self.backend, resolved, why)
-        if backend != "torch":
-            route_attention(model, KVQUANT_ATTENTION)
+            missing.append(f"sliding-window layers ({geometry.sliding_window})")
+        backend = resolve_kernels(model, self.backend, self.kernel_format, missing)
         cache = KVCache([self.new_layer(i, geometry, backend) for i in range(geometry.n_layers)])
         cache.adaptations, cache.backend = adaptations, backend
         return cache
