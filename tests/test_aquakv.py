@@ -342,6 +342,36 @@ def spec_horizons(windows: list[int | None], predicts: list[bool]) -> list[int |
     return out
 
 
+# Coded tokens: a sliding layer reconstructs fewer rows than the full one (other matmul shapes), so
+# another BLAS path or thread count moves its fp32 values by a few ulps of the O(1) operands of the
+# ≤ 32-term dot products (Hadamard, predictors, RoPE), not of the possibly near-zero result: hence an
+# absolute part (≤ 2.4e-6 seen with MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1, 0 by default). Such an
+# ulp may flip a code on a cell boundary now and then: at most 2% of the coded (layer, position)
+# pairs handed. Noise of 1e-4 on the rotated coordinates (far above ulps) flipped ≤ 3 of ≥ 173 and
+# all 12 cases passed; a layer holding codes of the wrong tokens (``forget`` keeping the oldest codes,
+# or coding its window one token off) still fails 6 of 12: 1–72% of the pairs, up to 3–10× the error.
+SLIDING_TOL = {"rtol": 1e-5, "atol": 1e-5}
+SLIDING_FLIP_SHARE = 0.02
+
+
+def compare_handed(got, ref, true, from_codes):
+    """Tokens ([B, H, T, D] on axis 2) a sliding layer hands vs the full layer's (``ref``) of the same
+    positions: fp16 ones (not ``from_codes`` in ``ref``) bit for bit; coded ones within ``SLIDING_TOL``,
+    except a token whose code flipped, whose difference is bounded by its quantization error
+    ``‖ref − true‖``. Returns the indices of the flipped tokens."""
+    assert torch.equal(got[:, :, ~from_codes], ref[:, :, ~from_codes])
+    close = torch.isclose(got, ref, **SLIDING_TOL).all(3).all(1).all(0)
+    flipped = (~close).nonzero().flatten()
+    # A code flipped on a cell boundary moves the token by at most twice its quantization error (the
+    # point is as far from either grid point; a token's channels are one HIGGS group); a flip upstream
+    # moves the prediction, and the residual is coded as well (≤ 1.65× seen with the noise above). A
+    # token of another position differs by about √2‖x‖, mostly beyond 2 × the 2-bit error (~0.5‖x‖).
+    diff = (got - ref)[:, :, flipped].transpose(1, 2).flatten(2).norm(dim=-1)
+    err = (ref - true)[:, :, flipped].transpose(1, 2).flatten(2).norm(dim=-1)
+    assert (diff <= 2 * err).all(), (flipped.tolist(), diff.tolist(), err.tolist())
+    return flipped.tolist()
+
+
 @pytest.mark.parametrize("chunks", [(150, 1, 1, 1), (40, 40, 40, 30, 1, 1), (7,) * 22])
 @pytest.mark.parametrize(
     ("windows", "predicts"),
@@ -354,8 +384,8 @@ def spec_horizons(windows: list[int | None], predicts: list[bool]) -> list[int |
 )
 def test_sliding_layers_return_the_full_layers_tail_and_hold_what_the_rule_says(windows, predicts, chunks):
     """Random K/V and predictors, ``recent`` 16 fp16 tokens, 4 sinks: each sliding layer hands attention
-    exactly what ``get_mask_sizes`` promised, bit for bit the tail of what the same layer of an
-    all-full cache hands (same codes, same predictor inputs), and then holds per the docstring:
+    exactly what ``get_mask_sizes`` promised, the tail of what the same layer of an all-full cache
+    hands (fp16 tokens bit for bit, coded ones as ``compare_handed`` allows), and then holds per the docstring:
     sinks within its window; codes from its code horizon on; fp16 from its window (a layer without
     predictors, which codes as tokens leave it) or its code horizon on, the newest 16 at most; positions
     of every token some layer holds."""
@@ -387,14 +417,20 @@ def test_sliding_layers_return_the_full_layers_tail_and_hold_what_the_rule_says(
         (torch.randn(1, heads, sum(chunks), dim, generator=gen), torch.randn(1, heads, sum(chunks), dim, generator=gen))
         for _ in windows
     ]
-    seen = 0
+    seen, compared, flipped = 0, set(), set()  # (layer, position) of coded tokens handed
     for n in chunks:
         for i, (k, v) in enumerate(kv):
             length, offset = sliding.layers[i].get_mask_sizes(n)
             new_k, new_v = k[:, :, seen : seen + n], v[:, :, seen : seen + n]
             (fk, fv), (sk, sv) = full.update(new_k, new_v, i), sliding.update(new_k, new_v, i)
             assert sk.shape[2] == sv.shape[2] == length
-            assert torch.equal(sk, fk[:, :, offset:]) and torch.equal(sv, fv[:, :, offset:]), (i, seen)
+            f = full.layers[i]
+            pos = torch.arange(offset, seen + n)
+            from_codes = (pos >= f.code_lo) & (pos < f.code_lo + f.n_codes)
+            compared.update((i, p) for p in pos[from_codes].tolist())
+            for got, ref, x in ((sk, fk, k), (sv, fv, v)):
+                true = x[:, :, offset : seen + n].half().float()  # what the layers hold and code: fp16
+                flipped.update((i, offset + t) for t in compare_handed(got, ref[:, :, offset:], true, from_codes))
         seen += n
         for layer, w, h in zip(sliding.layers, windows, horizons, strict=True):
             if w is None:
@@ -407,3 +443,4 @@ def test_sliding_layers_return_the_full_layers_tail_and_hold_what_the_rule_says(
             assert layer.n_codes == max(0, fp16_from - max(sink, floor))
             assert layer.get_seq_length() == seen
         assert sliding.positions.shape[1] == seen - min(layer.first_held() for layer in sliding.layers)
+    assert len(flipped) <= SLIDING_FLIP_SHARE * len(compared), (len(flipped), len(compared))
