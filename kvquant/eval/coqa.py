@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvquant.errors import KvquantError
 from kvquant.eval import intervals
-from kvquant.eval.engine import Engine
+from kvquant.eval.engine import Engine, Generation
 from kvquant.eval.scorers import coqa_scores
 from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
 from kvquant.eval.tasks import register_task
@@ -56,9 +54,17 @@ def coqa_prompt(doc: dict) -> tuple[str, list[str]]:
 
 
 class CoQATask(SuiteTask):
-    def __init__(self, limit: int | None = 10, chunk_size: int = 32, max_gen_toks: int = 48, source: str = "hub"):
+    def __init__(
+        self,
+        limit: int | None = 10,
+        chunk_size: int = 32,
+        max_gen_toks: int = 48,
+        source: str = "hub",
+        batch_size: int = 8,
+    ):
         check_source("coqa", source, ("hub",))
-        check_positive("coqa", limit=limit, chunk_size=chunk_size, max_gen_toks=max_gen_toks)
+        check_positive("coqa", limit=limit, chunk_size=chunk_size, max_gen_toks=max_gen_toks, batch_size=batch_size)
+        self.batch_size = int(batch_size)
         self.limit = None if limit is None else int(limit)
         self.chunk_size, self.max_gen_toks, self.source = int(chunk_size), int(max_gen_toks), source
 
@@ -68,11 +74,15 @@ class CoQATask(SuiteTask):
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
         docs = self.docs()
         docs = docs[: self.limit] if self.limit is not None else docs
+        prompts = [coqa_prompt(doc) for doc in docs]
+        asks = [
+            Generation(f"coqa/{i}", engine.tokenizer(prompt).input_ids, self.max_gen_toks, ("\nQ:",))
+            for i, (prompt, _) in enumerate(prompts)
+        ]
+        outs = engine.generate_many(asks, progress=f"coqa/{engine.method.name}" if progress else None)
         examples = []
-        for i, doc in enumerate(tqdm(docs, desc=f"coqa/{engine.method.name}", disable=not progress)):
-            prompt, golds = coqa_prompt(doc)
+        for i, ((_, golds), out) in enumerate(zip(prompts, outs, strict=True)):
             uid = f"coqa/{i}"
-            out = engine.generate(uid, engine.tokenizer(prompt).input_ids, self.max_gen_toks, stops=["\nQ:"])
             answer = out.strip()
             scores = coqa_scores(answer, golds)
             examples.append({"id": uid, "output": out, "answer": answer, "golds": golds, **scores})

@@ -1,50 +1,43 @@
 """One KV method run over evaluation requests, every request with a fresh cache from the method.
 
-Log-likelihoods feed the text through the cache in chunks of ``chunk_size`` tokens (a single
-forward never reads a quantized cache); generations hand ``model.generate`` a fresh cache. Each
-request is a *unit* with a stable key. Without a reference the engine records each unit's tokens
-and top-k log-probabilities (``Reference``); with one it compares every unit with it as it goes
-(``kvquant.eval.reference.FidelityStats``).
+Requests run ``batch_size`` at a time behind one ``PerRowCache``: each row is its own cache from the
+method and is fed exactly the chunks an unbatched run feeds it (a row sits out the forwards it has no
+chunk in), so padding never enters a method's state and a row's bits stored equal the unbatched
+run's; only the model's weights are applied to the batch at once. Log-likelihoods feed the text in
+chunks of ``chunk_size`` tokens (a single forward never reads a quantized cache); generations are
+greedy (argmax; no logits processors), the prompt in one forward or, with ``chunked_prefill``, in
+chunks and then its last token. Each request is a *unit* with a stable key. Without a reference the
+engine records each unit's tokens and top-k log-probabilities (``Reference``); with one it compares
+every unit with it as it goes (``kvquant.eval.reference.FidelityStats``).
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from tqdm.auto import tqdm
 
+from kvquant.attention import restore_attention
 from kvquant.cache import CacheCounts
 from kvquant.errors import KvquantError
 from kvquant.eval.reference import FidelityStats, Reference, UnitRecord
+from kvquant.per_row import PerRowCache
 
 
-class StopOnStrings(StoppingCriteria):
-    """Stop once the generated text contains any of ``stops`` (lm-eval's ``until``)."""
+@dataclass(frozen=True)
+class Generation:
+    """One greedy generation request: its unit key, prompt ids, token budget and stop strings."""
 
-    def __init__(self, tokenizer, stops: Sequence[str], prompt_len: int):
-        self.tokenizer, self.stops, self.prompt_len = tokenizer, [s for s in stops if s], prompt_len
-
-    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
-        text = self.tokenizer.decode(input_ids[0, self.prompt_len :]) if self.stops else ""
-        done = any(s in text for s in self.stops)
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
-
-
-class _Clock(BaseStreamer):
-    """Timestamps of ``generate``'s streamer calls: the prompt, then one per new token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+    key: str
+    ids: list[int]
+    max_new_tokens: int
+    stops: tuple[str, ...] = ()
+    chunked_prefill: bool = False
 
 
 def bos_prefix(tokenizer) -> list[int]:
@@ -62,11 +55,39 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     return text
 
 
+def chunks_of(ids: Sequence[int], step: int) -> list[list[int]]:
+    """``ids`` cut as an unbatched feed cuts them: ``[0, step)``, ``[step, 2·step)``, …"""
+    return [list(ids[i : i + step]) for i in range(0, len(ids), step)]
+
+
+def schedule(chunked: Sequence[list[list[int]]], align_end: bool) -> list[list[list[int]]]:
+    """Forwards of per-row chunk lists: ``out[f][b]`` is row ``b``'s chunk in forward ``f`` (``[]``: it
+    sits out). Rows start together, or (``align_end``) end together, so their last chunks share a forward."""
+    n = max((len(c) for c in chunked), default=0)
+    out: list[list[list[int]]] = [[[] for _ in chunked] for _ in range(n)]
+    for b, chunks in enumerate(chunked):
+        offset = n - len(chunks) if align_end else 0
+        for i, chunk in enumerate(chunks):
+            out[offset + i][b] = chunk
+    return out
+
+
+class _Rows:
+    """A batch of sequences that grow together: their ``PerRowCache`` and 2-D attention mask."""
+
+    def __init__(self, cache: PerRowCache, mask: torch.Tensor):
+        self.cache, self.mask = cache, mask
+
+    def take(self, indices: Sequence[int], moves: Sequence[bool]) -> _Rows:
+        return _Rows(self.cache.take(indices, moves), self.mask[list(indices)])
+
+
 class Engine:
-    """Runs ``method`` on one request at a time and keeps counts, timing and fidelity.
+    """Runs ``method`` on requests ``batch_size`` at a time and keeps counts, timing and fidelity.
 
     ``reference=None`` records a ``Reference`` (what the fp16 run provides for the others);
-    otherwise each unit is compared with the reference unit of the same key.
+    otherwise each unit is compared with the reference unit of the same key. ``unit_counts`` keeps
+    each unit's cache counts (a batch's rows are counted apart), ``generated`` its greedy tokens.
     """
 
     def __init__(
@@ -77,29 +98,104 @@ class Engine:
         chunk_size: int = 32,
         reference: Reference | None = None,
         max_length: int | None = None,
+        batch_size: int = 1,
     ):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.tokenizer, self.method = model, tokenizer, method
-        self.chunk_size = chunk_size
+        self.chunk_size, self.batch_size = chunk_size, batch_size
         self.reference = reference
         self.recording = Reference() if reference is None else None
         self.fidelity = FidelityStats()
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", None) or 2048
         self.counts = CacheCounts()
+        self.unit_counts: dict[str, CacheCounts] = {}
+        self.generated: dict[str, torch.Tensor] = {}  # each generation unit's tokens
         self.n_caches = 0
         self.truncated = 0
         self.prefill_tokens = self.decode_steps = 0
         self.prefill_s = self.decode_s = 0.0
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = tokenizer.eos_token_id if eos is None else eos
+        self.eos_ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
 
     # ------------------------------------------------------------------ caches and forwards
     def new_cache(self):
         self.n_caches += 1
         return self.method.new_cache(self.model)
 
-    def _retire(self, cache) -> None:
+    def _retire(self, cache, key: str | None = None) -> None:
         if hasattr(cache, "counts"):
-            self.counts = self.counts + cache.counts()
+            counts = cache.counts()
+            self.counts = self.counts + counts
+            if key is not None:
+                self.unit_counts[key] = counts
+
+    @contextlib.contextmanager
+    def _routed(self) -> Iterator[None]:
+        """Batches route the model's attention through ``PerRowCache``; put back what it was after."""
+        previous = self.model.config._attn_implementation
+        try:
+            yield
+        finally:
+            restore_attention(self.model, previous)
+
+    def _rows(self, n: int) -> _Rows:
+        return _Rows(PerRowCache([self.new_cache() for _ in range(n)], self.model), torch.zeros(n, 0, dtype=torch.long))
+
+    def _take(self, rows: _Rows, indices: Sequence[int], moves: Sequence[bool]) -> _Rows:
+        self.n_caches += sum(not m for m in moves)  # the copies
+        return rows.take(indices, moves)
+
+    @torch.no_grad()
+    def _forward(self, rows: _Rows, chunks: Sequence[list[int]], last_only: bool) -> list[torch.Tensor]:
+        """One forward of each row's ``chunk`` (left-padded to the longest; a row with ``[]`` sits out).
+        Returns each row's logits (fp32, CPU) at its real tokens, or (``last_only``) at the last column."""
+        width = max(len(c) for c in chunks)
+        ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
+        real = torch.zeros(len(chunks), width, dtype=torch.bool)
+        for b, chunk in enumerate(chunks):
+            if chunk:
+                ids[b, width - len(chunk) :] = torch.tensor(chunk)
+                real[b, width - len(chunk) :] = True
+        before = torch.tensor(rows.cache.lengths, dtype=torch.long).view(-1, 1)
+        positions = (before + real.long().cumsum(1) - 1).clamp(min=0)
+        rows.mask = torch.cat([rows.mask, real.long()], dim=1)
+        rows.cache.set_chunk(real)
+        device = self.model.device
+        logits = (
+            self.model(
+                input_ids=ids.to(device),
+                attention_mask=rows.mask.to(device),
+                position_ids=positions.to(device),
+                past_key_values=rows.cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
+            .logits.float()
+            .cpu()
+        )
+        if last_only:
+            return list(logits[:, -1])
+        return [logits[b, real[b]] for b in range(len(chunks))]
+
+    def _feed_rows(
+        self, rows: _Rows, seqs: Sequence[Sequence[int]], align_end: bool, step: int | None = None, keep: bool = False
+    ) -> list[torch.Tensor]:
+        """Feed each row's ``seqs[b]`` in its own chunks of ``step``; return its logits if ``keep``."""
+        parts: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for chunks in schedule([chunks_of(s, step or self.chunk_size) for s in seqs], align_end):
+            out = self._forward(rows, chunks, last_only=False) if keep else self._forward(rows, chunks, True)
+            if keep:
+                for b, chunk in enumerate(chunks):
+                    if chunk:
+                        parts[b].append(out[b])
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        return [torch.cat(p) if p else torch.empty(0, vocab) for p in parts]
 
     @torch.no_grad()
     def feed(
@@ -111,10 +207,10 @@ class Engine:
     ) -> None:
         """Feed ``ids`` through ``cache`` ``chunk_size`` tokens at a time; hand each chunk's logits (fp32, CPU) on."""
         device = self.model.device
-        step = chunk_size or self.chunk_size
-        for start in range(0, len(ids), step):
-            chunk = torch.tensor([list(ids[start : start + step])], dtype=torch.long, device=device)
-            logits = self.model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0]
+        for chunk in chunks_of(ids, chunk_size or self.chunk_size):
+            logits = self.model(
+                input_ids=torch.tensor([chunk], device=device), past_key_values=cache, use_cache=True
+            ).logits[0]
             if on_logits is not None:
                 on_logits(logits.float().cpu())
 
@@ -122,6 +218,16 @@ class Engine:
         parts: list[torch.Tensor] = []
         self.feed(ids, cache, parts.append, chunk_size)
         return torch.cat(parts) if parts else torch.empty(0, self.model.config.vocab_size)
+
+    def _batches(self, items: Sequence, length: Callable[[Any], int], progress: str | None = None):
+        """Indices of ``items`` in batches of ``batch_size``, longest first (less padding per batch); with
+        ``progress``, a bar of that name over the items."""
+        order = sorted(range(len(items)), key=lambda i: -length(items[i]))
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        with tqdm(total=len(items), desc=progress, disable=progress is None) as bar:
+            for batch in batches:
+                yield batch
+                bar.update(len(batch))
 
     # ------------------------------------------------------------------ log-likelihood
     def fit(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
@@ -134,127 +240,154 @@ class Engine:
         cont = cont[-(room - 1) :]
         return whole[: len(whole) - len(cont)], cont
 
-    @torch.no_grad()
     def loglikelihood(self, key: str, ctx: list[int], conts: Sequence[list[int]]) -> list[tuple[float, bool]]:
-        """Log-probability of each continuation after ``ctx`` (and whether it is the greedy one).
+        """Log-probability of each continuation after ``ctx`` (and whether it is the greedy one)."""
+        return self.loglikelihood_many([(key, ctx, conts)])[0]
 
-        The context goes through the cache once in chunks; each continuation then continues from a
-        copy of that cache (the prefix is shared, the quantized state is the same for all choices).
-        """
-        pairs = [self.fit(list(ctx), list(c)) for c in conts]
-        shared = all(p[0] == pairs[0][0] for p in pairs)
-        base = None
-        if shared and len(pairs[0][0]) > 1:
-            base = self.new_cache()
-            t0 = time.perf_counter()
-            self.feed(pairs[0][0][:-1], base)
-            self.prefill_s += time.perf_counter() - t0
-            self.prefill_tokens += len(pairs[0][0]) - 1
-        out = []
-        for j, (c_ids, cont) in enumerate(pairs):
-            cache = None
-            if base is not None:
-                try:
-                    cache = base if j == len(pairs) - 1 else copy.deepcopy(base)
-                    self.n_caches += cache is not base
-                except Exception:  # a store that cannot be copied: recompute its prefix instead
-                    cache = None
-            if cache is None:
-                cache = self.new_cache()
-                self.feed(c_ids[:-1], cache)
-            t0 = time.perf_counter()
-            logits = self.chunked_logits(c_ids[-1:] + cont[:-1], cache)
-            self.prefill_s += time.perf_counter() - t0
+    @torch.no_grad()
+    def loglikelihood_many(
+        self, requests: Sequence[tuple[str, list[int], Sequence[list[int]]]]
+    ) -> list[list[tuple[float, bool]]]:
+        """``loglikelihood`` of every ``(key, ctx, conts)``. A context goes through one cache in chunks up
+        to its last token; each continuation then continues from a copy of that cache (the prefix is
+        shared, the quantized state is the same for all choices). Contexts run ``batch_size`` at a
+        time, then their continuations ``batch_size`` at a time."""
+        with self._routed():
+            heads: list[tuple[list[int], list[tuple[str, int, list[int], list[int]]]]] = []
+            for key, ctx, conts in requests:
+                pairs = [self.fit(list(ctx), list(c)) for c in conts]
+                if all(p[0] == pairs[0][0] for p in pairs):
+                    heads.append((pairs[0][0], [(key, j, c, k) for j, (c, k) in enumerate(pairs)]))
+                else:  # tokenisation split the context differently per choice: a context per continuation
+                    heads += [(c, [(key, j, c, k)]) for j, (c, k) in enumerate(pairs)]
+            scores: dict[tuple[str, int], tuple[float, bool]] = {}
+            for batch in self._batches(heads, lambda h: len(h[0])):
+                rows = self._rows(len(batch))
+                t0 = time.perf_counter()
+                self._feed_rows(rows, [heads[h][0][:-1] for h in batch], align_end=True)
+                self.prefill_s += time.perf_counter() - t0
+                self.prefill_tokens += sum(max(0, len(heads[h][0]) - 1) for h in batch)
+                flat = [(i, unit) for i, h in enumerate(batch) for unit in heads[h][1]]
+                last_use = {i: at for at, (i, _) in enumerate(flat)}
+                for g in range(0, len(flat), self.batch_size):
+                    group = flat[g : g + self.batch_size]
+                    moves = [last_use[i] == g + at for at, (i, _) in enumerate(group)]
+                    sub = self._take(rows, [i for i, _ in group], moves)
+                    scores.update(self._continuations(sub, [unit for _, unit in group]))
+            return [[scores[(key, j)] for j in range(len(conts))] for key, _, conts in requests]
+
+    def _continuations(
+        self, rows: _Rows, units: Sequence[tuple[str, int, list[int], list[int]]]
+    ) -> dict[tuple[str, int], tuple[float, bool]]:
+        """Each row continues its context with its continuation; log-prob and greedy flag per unit."""
+        t0 = time.perf_counter()
+        logits = self._feed_rows(rows, [c[-1:] + k[:-1] for _, _, c, k in units], align_end=False, keep=True)
+        self.prefill_s += time.perf_counter() - t0
+        out = {}
+        for b, (key, j, _, cont) in enumerate(units):
             self.prefill_tokens += len(cont)
-            self._retire(cache)
-            logprobs = torch.log_softmax(logits, dim=-1)
+            self._retire(rows.cache.rows[b], f"{key}#{j}")
+            logprobs = torch.log_softmax(logits[b], dim=-1)
             target = torch.tensor(cont)
             ll = float(logprobs.gather(1, target.view(-1, 1)).sum())
             greedy = bool((logprobs.argmax(-1) == target).all())
             self._observe(f"{key}#{j}", target, logprobs, generated=False)
-            out.append((ll, greedy))
+            out[(key, j)] = (ll, greedy)
         return out
 
-    @torch.no_grad()
     def score(self, key: str, ids: list[int]) -> tuple[float, int]:
         """Sum of next-token NLL over ``ids[1:]`` fed in chunks through a fresh cache (perplexity)."""
-        cache = self.new_cache()
-        target = torch.tensor(ids[1:])
-        nll, pos = 0.0, 0
-        logprob_parts: list[torch.Tensor] = []
+        return self.score_many([(key, ids)])[0]
 
-        def consume(logits: torch.Tensor) -> None:
-            nonlocal nll, pos
-            lp = torch.log_softmax(logits, dim=-1)[: target.numel() - pos]
-            nll -= float(lp.gather(1, target[pos : pos + lp.shape[0]].view(-1, 1)).sum())
-            logprob_parts.append(lp)
-            pos += lp.shape[0]
-
-        t0 = time.perf_counter()
-        self.feed(ids[:-1], cache, consume)
-        self.prefill_s += time.perf_counter() - t0
-        self.prefill_tokens += len(ids) - 1
-        self._retire(cache)
-        self._observe(f"{key}#0", target, torch.cat(logprob_parts), generated=False)
-        return nll, target.numel()
+    @torch.no_grad()
+    def score_many(
+        self, requests: Sequence[tuple[str, list[int]]], progress: str | None = None
+    ) -> list[tuple[float, int]]:
+        """``score`` of every ``(key, ids)``, ``batch_size`` sequences at a time."""
+        with self._routed():
+            out: list[tuple[float, int] | None] = [None] * len(requests)
+            for batch in self._batches(requests, lambda r: len(r[1]), progress):
+                rows = self._rows(len(batch))
+                t0 = time.perf_counter()
+                logits = self._feed_rows(rows, [requests[r][1][:-1] for r in batch], align_end=False, keep=True)
+                self.prefill_s += time.perf_counter() - t0
+                for b, r in enumerate(batch):
+                    key, ids = requests[r]
+                    self.prefill_tokens += len(ids) - 1
+                    self._retire(rows.cache.rows[b], f"{key}#0")
+                    target = torch.tensor(ids[1:])
+                    logprobs = torch.log_softmax(logits[b], dim=-1)
+                    out[r] = (-float(logprobs.gather(1, target.view(-1, 1)).sum()), target.numel())
+                    self._observe(f"{key}#0", target, logprobs, generated=False)
+            return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def _generate(self, ids: list[int], max_new_tokens: int, stops: Sequence[str], chunked_prefill: bool):
-        cache = self.new_cache()
-        device = self.model.device
+    def _decode(
+        self,
+        prompts: Sequence[list[int]],
+        chunked_prefill: bool,
+        budgets: Sequence[int],
+        stops: Sequence[Sequence[str]] = (),
+        forced: Sequence[torch.Tensor] | None = None,
+        keys: Sequence[str] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Greedy decoding of each prompt in one batch (or, with ``forced``, teacher forcing along those
+        tokens: every forced token is one decode step, as in generation — fed in chunks, a multi-token
+        forward would attend in full precision within the chunk, and KL would read ≈ 0). A row stops at
+        its budget, EOS or a stop string and leaves the batch. Returns (tokens, log-probs) per prompt."""
+        rows = self._rows(len(prompts))
         t0 = time.perf_counter()
-        if chunked_prefill and len(ids) > 1:
-            self.feed(ids[:-1], cache)
-        clock = _Clock()
-        prompt = torch.tensor([ids], dtype=torch.long, device=device)
-        out = self.model.generate(
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            past_key_values=cache,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            stopping_criteria=StoppingCriteriaList([StopOnStrings(self.tokenizer, stops, len(ids))]),
-            pad_token_id=self.tokenizer.pad_token_id
-            if self.tokenizer.pad_token_id is not None
-            else self.tokenizer.eos_token_id,
-            use_cache=True,
-            output_logits=True,
-            return_dict_in_generate=True,
-            streamer=clock,
-        )
-        tokens = out.sequences[0, len(ids) :].cpu()
-        logprobs = torch.log_softmax(torch.stack([x[0] for x in out.logits]).float().cpu(), dim=-1)
-        if len(clock.times) >= 2:
-            self.prefill_s += clock.times[1] - t0
-            self.decode_s += clock.times[-1] - clock.times[1]
-            self.prefill_tokens += len(ids)
-            self.decode_steps += len(clock.times) - 2
-        self._retire(cache)
-        return tokens, logprobs
-
-    @torch.no_grad()
-    def forced_logprobs(self, ids: list[int], forced: torch.Tensor, chunked_prefill: bool) -> torch.Tensor:
-        """The method's next-token log-probs along ``forced`` (teacher forcing).
-
-        The prompt is processed as the free generation processes it, and then every forced token is
-        one decode step, as in generation: fed in chunks, a multi-token forward would attend in full
-        precision within the chunk (AlignedKV reads aligned only in decode), and KL would read ≈ 0.
-        """
-        cache = self.new_cache()
         if chunked_prefill:
-            self.feed(ids[:-1], cache)
-            logits = self.chunked_logits(ids[-1:] + forced[:-1].tolist(), cache, chunk_size=1)
+            self._feed_rows(rows, [p[:-1] for p in prompts], align_end=True)
+            last = self._forward(rows, [p[-1:] for p in prompts], last_only=True)
         else:
-            first = self.model(
-                input_ids=torch.tensor([ids], device=self.model.device), past_key_values=cache, use_cache=True
-            ).logits[0, -1:]
-            logits = torch.cat([first.float().cpu(), self.chunked_logits(forced[:-1].tolist(), cache, chunk_size=1)])
-        self._retire(cache)
-        return torch.log_softmax(logits, dim=-1)
+            last = self._forward(rows, list(prompts), last_only=True)
+        t1 = time.perf_counter()
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        while True:
+            for j, b in enumerate(active):
+                logits[b].append(last[j])
+                tokens[b].append(int(forced[b][len(tokens[b])]) if forced is not None else int(last[j].argmax()))
+            done = [self._finished(tokens[b], budgets[b], stops[b] if stops else (), forced) for b in active]
+            for j, b in enumerate(active):
+                if done[j]:
+                    self._retire(rows.cache.rows[j], keys[b] if keys is not None else None)
+            keep = [j for j in range(len(active)) if not done[j]]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                rows = self._take(rows, keep, [True] * len(keep))
+                active = [active[j] for j in keep]
+            last = self._forward(rows, [[tokens[b][-1]] for b in active], last_only=True)
+        if forced is None:
+            self.prefill_s += t1 - t0
+            self.decode_s += time.perf_counter() - t1
+            self.prefill_tokens += sum(len(p) for p in prompts)
+            self.decode_steps += sum(len(t) - 1 for t in tokens)
+        return [
+            (torch.tensor(t, dtype=torch.long), torch.log_softmax(torch.stack(lg), dim=-1))
+            for t, lg in zip(tokens, logits, strict=True)
+        ]
+
+    def _finished(self, tokens: list[int], budget: int, stops: Sequence[str], forced) -> bool:
+        if len(tokens) >= budget:
+            return True
+        if forced is not None:
+            return False
+        if tokens[-1] in self.eos_ids:
+            return True
+        stops = [s for s in stops if s]
+        return bool(stops) and any(s in self.tokenizer.decode(tokens) for s in stops)
+
+    def _generate(self, ids: list[int], max_new_tokens: int, stops: Sequence[str], chunked_prefill: bool):
+        """Greedy tokens and log-probs of one prompt (no truncation, no fidelity)."""
+        return self._decode([list(ids)], chunked_prefill, [max_new_tokens], [stops])[0]
+
+    def forced_logprobs(self, ids: list[int], forced: torch.Tensor, chunked_prefill: bool) -> torch.Tensor:
+        """The method's next-token log-probs along ``forced`` (teacher forcing, one decode step per token)."""
+        return self._decode([list(ids)], chunked_prefill, [len(forced)], forced=[forced])[0][1]
 
     def generate(
         self,
@@ -265,21 +398,60 @@ class Engine:
         chunked_prefill: bool = False,
     ) -> str:
         """Greedy continuation of ``ids`` (left-truncated to fit ``max_new_tokens``), cut at the first stop."""
-        room = max(1, self.max_length - max_new_tokens)
-        if len(ids) > room:
-            self.truncated += 1
-            ids = ids[-room:]
-        tokens, logprobs = self._generate(list(ids), max_new_tokens, stops, chunked_prefill)
-        ref = self.reference.units.get(f"{key}#0") if self.reference is not None else None
-        if ref is not None and tokens.numel() and not torch.equal(tokens, ref.tokens[: tokens.numel()].long()):
-            forced = self.forced_logprobs(list(ids), ref.tokens.long(), chunked_prefill) if ref.tokens.numel() else None
-        else:
-            forced = logprobs
-        self._observe(f"{key}#0", tokens, logprobs, generated=True, forced=forced)
-        return cut_at_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), stops)
+        return self.generate_many([Generation(key, list(ids), max_new_tokens, tuple(stops), chunked_prefill)])[0]
+
+    @torch.no_grad()
+    def generate_many(self, requests: Sequence[Generation], progress: str | None = None) -> list[str]:
+        """``generate`` for every request, ``batch_size`` at a time (requests that prefill alike batch
+        together). A unit whose tokens part from fp16's is then teacher-forced along fp16's tokens (also
+        in batches) for its KL and top-1 agreement."""
+        with self._routed():
+            prompts = []
+            for req in requests:
+                room = max(1, self.max_length - req.max_new_tokens)
+                if len(req.ids) > room:
+                    self.truncated += 1
+                prompts.append(list(req.ids)[-room:])
+            out: list[str | None] = [None] * len(requests)
+            for mode in (False, True):
+                todo = [i for i, r in enumerate(requests) if bool(r.chunked_prefill) == mode]
+                for batch in self._batches(todo, lambda i: len(prompts[i]), progress if todo else None):
+                    idx = [todo[i] for i in batch]
+                    results = self._decode(
+                        [prompts[i] for i in idx],
+                        mode,
+                        [requests[i].max_new_tokens for i in idx],
+                        [requests[i].stops for i in idx],
+                        keys=[f"{requests[i].key}#0" for i in idx],
+                    )
+                    self._compare(requests, prompts, idx, results, mode)
+                    for i, (tokens, _) in zip(idx, results, strict=True):
+                        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                        out[i] = cut_at_stop(text, requests[i].stops)
+            return out  # type: ignore[return-value]
+
+    def _compare(self, requests, prompts, idx: list[int], results, chunked_prefill: bool) -> None:
+        """Record or compare each generated unit; teacher-force the ones that part from fp16's tokens."""
+        forced: dict[int, torch.Tensor] = {}
+        for i, (tokens, _) in zip(idx, results, strict=True):
+            ref = self.reference.units.get(f"{requests[i].key}#0") if self.reference is not None else None
+            if ref is not None and tokens.numel() and not torch.equal(tokens, ref.tokens[: tokens.numel()].long()):
+                forced[i] = ref.tokens.long()
+        along: dict[int, torch.Tensor] = {}
+        todo = [i for i, f in forced.items() if f.numel()]
+        for k in range(0, len(todo), self.batch_size):
+            batch = todo[k : k + self.batch_size]
+            refs = [forced[i] for i in batch]
+            runs = self._decode([prompts[i] for i in batch], chunked_prefill, [len(f) for f in refs], forced=refs)
+            along.update({i: lp for i, (_, lp) in zip(batch, runs, strict=True)})
+        for i, (tokens, logprobs) in zip(idx, results, strict=True):
+            key = f"{requests[i].key}#0"
+            self._observe(key, tokens, logprobs, generated=True, forced=along.get(i, logprobs))
 
     # ------------------------------------------------------------------ bookkeeping
     def _observe(self, key: str, tokens: torch.Tensor, logprobs: torch.Tensor, generated: bool, forced=None) -> None:
+        if generated:
+            self.generated[key] = tokens
         if self.recording is not None:
             self.recording.units[key] = UnitRecord.from_logprobs(tokens, logprobs, generated)
             return

@@ -2,8 +2,9 @@
 
 Every request goes through a fresh cache from the method: log-likelihoods feed the context and the
 continuation through it in chunks of ``chunk_size`` tokens (a plain ``HFLM`` scores each request in
-one forward that never reads the cache), generations hand ``model.generate`` the fresh cache. The
-work is done by ``kvquant.eval.engine.Engine``, which also keeps fidelity to fp16 per request.
+one forward that never reads the cache), generations decode greedily from a fresh cache. The work is
+done by ``kvquant.eval.engine.Engine`` — ``batch_size`` requests at a time, each row its own cache —
+which also keeps fidelity to fp16 per request.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 
-from kvquant.eval.engine import Engine, bos_prefix
+from kvquant.eval.engine import Engine, Generation, bos_prefix
 
 
 class KVMethodLM(HFLM):
@@ -37,24 +38,32 @@ class KVMethodLM(HFLM):
         return self._max_gen
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """Score each (context, continuation); the choices of one question share one pass over the context."""
+        """Score each (context, continuation); the choices of one question share one pass over the
+        context, and questions run ``engine.batch_size`` at a time."""
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault((req.task_name, req.doc_id, req.args[0]), []).append(i)
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
-        bar = tqdm(groups.items(), desc="log-likelihood", disable=disable_tqdm or not self.progress)
-        for (task, doc_id, context), idxs in bar:
+        asks, owners = [], []
+        for (task, doc_id, context), idxs in groups.items():
             idxs.sort(key=lambda i: requests[i].idx)
             pairs = [self._pair(context, requests[i].args[1]) for i in idxs]
-            ctx = pairs[0][0]
-            if any(p[0] != ctx for p in pairs):  # tokenisation split the context differently: score one by one
-                scored = [
-                    self.engine.loglikelihood(f"{task}/{doc_id}.{j}", c, [k])[0] for j, (c, k) in enumerate(pairs)
-                ]
+            asks.append((f"{task}/{doc_id}", pairs[0][0], [k for _, k in pairs]))
+            if any(p[0] != pairs[0][0] for p in pairs):  # tokenisation split the context differently
+                asks[-1:] = [(f"{task}/{doc_id}.{j}", c, [k]) for j, (c, k) in enumerate(pairs)]
+                owners += [[i] for i in idxs]
             else:
-                scored = self.engine.loglikelihood(f"{task}/{doc_id}", ctx, [k for _, k in pairs])
-            for i, value in zip(idxs, scored, strict=True):
-                results[i] = value
+                owners.append(idxs)
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        step = 8 * self.engine.batch_size  # requests handed over at once: sorted by length within them
+        bar = tqdm(total=len(asks), desc="log-likelihood", disable=disable_tqdm or not self.progress)
+        for start in range(0, len(asks), step):
+            for idxs, scored in zip(
+                owners[start : start + step], self.engine.loglikelihood_many(asks[start : start + step]), strict=True
+            ):
+                for i, value in zip(idxs, scored, strict=True):
+                    results[i] = value
+            bar.update(len(asks[start : start + step]))
+        bar.close()
         return results
 
     def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -66,10 +75,11 @@ class KVMethodLM(HFLM):
         raise NotImplementedError("rolling log-likelihood is not routed through the KV cache; use task=wikitext")
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy generation per request with a fresh cache, until a stop string or ``max_gen_toks``."""
-        out = []
+        """Greedy generation with a fresh cache per request, ``engine.batch_size`` requests at a time,
+        until a stop string, EOS or ``max_gen_toks``."""
         eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False) if self.eot_token_id is not None else ""
-        for req in tqdm(requests, desc="generate", disable=disable_tqdm or not self.progress):
+        asks = []
+        for req in requests:
             context, kwargs = req.args
             kwargs = dict(kwargs or {})
             until = kwargs.get("until") or []
@@ -77,8 +87,11 @@ class KVMethodLM(HFLM):
             if eos and eos not in until:
                 until.append(eos)
             max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
-            ids = self.tok_encode(context)
-            out.append(self.engine.generate(f"{req.task_name}/{req.doc_id}", ids, max_new, until))
+            asks.append(Generation(f"{req.task_name}/{req.doc_id}", self.tok_encode(context), max_new, tuple(until)))
+        out: list[str] = []
+        step = 8 * self.engine.batch_size  # requests handed over at once: sorted by length within them
+        for start in tqdm(range(0, len(asks), step), desc="generate", disable=disable_tqdm or not self.progress):
+            out += self.engine.generate_many(asks[start : start + step])
         return out
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:

@@ -74,9 +74,11 @@ class LmEvalTask(SuiteTask):
         source: str = "bundled",
         num_fewshot: int | None = None,
         max_gen_toks: int | None = None,
+        batch_size: int = 8,
     ):
         check_source(self.name or type(self).__name__, source)
-        check_positive(self.name, limit=limit, chunk_size=chunk_size, max_gen_toks=max_gen_toks)
+        check_positive(self.name, limit=limit, chunk_size=chunk_size, max_gen_toks=max_gen_toks, batch_size=batch_size)
+        self.batch_size = int(batch_size)
         if num_fewshot is not None and num_fewshot < 0:
             raise ValueError(f"num_fewshot must be >= 0, got {num_fewshot}")
         self.limit = None if limit is None else int(limit)

@@ -15,12 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvquant.data import longbench, longbench_config, longbench_tasks
 from kvquant.errors import InvalidParameterError
 from kvquant.eval import intervals
-from kvquant.eval.engine import Engine
+from kvquant.eval.engine import Engine, Generation
 from kvquant.eval.scorers import LONGBENCH_METRICS, longbench_score
 from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
 from kvquant.eval.tasks import register_task
@@ -46,11 +44,18 @@ class LongBenchTask(SuiteTask):
         chunk_size: int = 32,
         source: str = "bundled",
         max_gen_tokens: int | None = None,
+        batch_size: int = 8,
     ):
         check_source("longbench", source, ("bundled",))
         check_positive(
-            "longbench", limit=limit, max_length=max_length, chunk_size=chunk_size, max_gen_tokens=max_gen_tokens
+            "longbench",
+            limit=limit,
+            max_length=max_length,
+            chunk_size=chunk_size,
+            max_gen_tokens=max_gen_tokens,
+            batch_size=batch_size,
         )
+        self.batch_size = int(batch_size)
         available = longbench_tasks()
         chosen = list(tasks) if tasks is not None else available
         unknown = [t for t in chosen if t not in available or t not in LONGBENCH_METRICS]
@@ -69,9 +74,8 @@ class LongBenchTask(SuiteTask):
         for task in self.tasks:
             rows = longbench(task)
             work += [(task, i, row) for i, row in enumerate(rows[: self.limit] if self.limit else rows)]
-        examples, middle_cut, gen_capped = [], 0, 0
-        bar = tqdm(work, desc=f"longbench/{engine.method.name}", disable=not progress)
-        for task, i, row in bar:
+        asks, middle_cut, gen_capped = [], 0, 0
+        for task, i, row in work:
             gen = int(maxgen[task])
             if self.max_gen_tokens is not None and gen > self.max_gen_tokens:
                 gen, gen_capped = self.max_gen_tokens, gen_capped + 1
@@ -80,9 +84,12 @@ class LongBenchTask(SuiteTask):
             if len(ids) > budget:
                 middle_cut += 1
                 ids = middle_truncate(ids, budget)
-            uid = f"longbench/{task}/{i}"
-            stops = ["\n"] if task == "samsum" else []
-            out = engine.generate(uid, ids, gen, stops=stops)
+            stops = ("\n",) if task == "samsum" else ()
+            asks.append(Generation(f"longbench/{task}/{i}", ids, gen, stops))
+        outs = engine.generate_many(asks, progress=f"longbench/{engine.method.name}" if progress else None)
+        examples = []
+        for (task, _, row), ask, out in zip(work, asks, outs, strict=True):
+            uid, ids = ask.key, ask.ids
             score = longbench_score(task, out, row["answers"], row.get("all_classes") or [])
             examples.append(
                 {

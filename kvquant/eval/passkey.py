@@ -15,12 +15,10 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvquant.data import tinystories_pieces, wikitext2_test
 from kvquant.errors import InvalidParameterError
 from kvquant.eval import intervals
-from kvquant.eval.engine import Engine, bos_prefix
+from kvquant.eval.engine import Engine, Generation, bos_prefix
 from kvquant.eval.scorers import first_number, passkey_match
 from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
 from kvquant.eval.tasks import register_task
@@ -46,9 +44,18 @@ class PasskeyTask(SuiteTask):
         filler: str = "wikitext",
         seed: int = 0,
         source: str = "bundled",
+        batch_size: int = 8,
     ):
         check_source("passkey", source, ("bundled",))
-        check_positive("passkey", trials=trials, limit=limit, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+        check_positive(
+            "passkey",
+            trials=trials,
+            limit=limit,
+            chunk_size=chunk_size,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+        )
+        self.batch_size = int(batch_size)
         if filler not in ("wikitext", "tinystories"):
             raise InvalidParameterError(f"task passkey: filler '{filler}' must be wikitext or tinystories")
         self.lengths = [int(x) for x in (lengths if lengths is not None else [1024, 2048, 4096, 8192])]
@@ -91,11 +98,15 @@ class PasskeyTask(SuiteTask):
                 f"task passkey: every length in {self.lengths} exceeds the model's context "
                 f"({engine.max_length}); choose task.lengths at most {engine.max_length}"
             )
+        built = [self.prompt(tok, filler_ids, min(length, room), depth, trial) for length, depth, trial in cells]
+        asks = [
+            Generation(f"passkey/{length}/{depth}/{trial}", ids, self.max_new_tokens, ("\n",), chunked_prefill=True)
+            for (length, depth, trial), (ids, _) in zip(cells, built, strict=True)
+        ]
+        outs = engine.generate_many(asks, progress=f"passkey/{engine.method.name}" if progress else None)
         examples = []
-        for length, depth, trial in tqdm(cells, desc=f"passkey/{engine.method.name}", disable=not progress):
-            ids, key = self.prompt(tok, filler_ids, min(length, room), depth, trial)
-            uid = f"passkey/{length}/{depth}/{trial}"
-            out = engine.generate(uid, ids, self.max_new_tokens, stops=["\n"], chunked_prefill=True)
+        for (length, depth, _), (ids, key), ask, out in zip(cells, built, asks, outs, strict=True):
+            uid = ask.key
             score = passkey_match(out, key)
             row = {"id": uid, "length": length, "prompt_tokens": len(ids), "depth": depth, "passkey": key}
             row["output"] = out

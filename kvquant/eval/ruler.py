@@ -15,11 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvquant.errors import InvalidParameterError
 from kvquant.eval import intervals
-from kvquant.eval.engine import Engine
+from kvquant.eval.engine import Engine, Generation
 from kvquant.eval.ruler_tasks import SUBTASKS, generate, string_match_all, tokens_to_generate
 from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source
 from kvquant.eval.tasks import register_task
@@ -38,9 +36,11 @@ class RulerTask(SuiteTask):
         chunk_size: int = 256,
         max_new_tokens: int | None = None,
         source: str = "bundled",
+        batch_size: int = 8,
     ):
         check_source("ruler", source, ("bundled",))
-        check_positive("ruler", n=n, chunk_size=chunk_size, max_new_tokens=max_new_tokens)
+        check_positive("ruler", n=n, chunk_size=chunk_size, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        self.batch_size = int(batch_size)
         chosen = list(subtasks) if subtasks is not None else list(SUBTASKS)
         unknown = [s for s in chosen if s not in SUBTASKS]
         if unknown or not chosen:
@@ -64,14 +64,18 @@ class RulerTask(SuiteTask):
                 f"max_position_embeddings); choose task.lengths at most {engine.max_length}"
             )
         cells = [(s, x, i) for x in self.lengths for s in self.subtasks for i in range(self.n)]
-        examples, capped = [], 0
-        for subtask, length, index in tqdm(cells, desc=f"ruler/{engine.method.name}", disable=not progress):
+        built, asks, capped = [], [], 0
+        for subtask, length, index in cells:
             ex = generate(subtask, length, index, self.seed, engine.tokenizer, self.haystack)
             gen = tokens_to_generate(subtask)
             if self.max_new_tokens is not None and gen > self.max_new_tokens:
                 gen, capped = self.max_new_tokens, capped + 1
-            uid = f"ruler/{subtask}/{length}/{index}"
-            out = engine.generate(uid, ex.ids, gen, chunked_prefill=True)
+            built.append(ex)
+            asks.append(Generation(f"ruler/{subtask}/{length}/{index}", ex.ids, gen, chunked_prefill=True))
+        outs = engine.generate_many(asks, progress=f"ruler/{engine.method.name}" if progress else None)
+        examples = []
+        for (subtask, length, index), ex, ask, out in zip(cells, built, asks, outs, strict=True):
+            uid = ask.key
             row = {"id": uid, "subtask": subtask, "length": length, "index": index, "prompt_tokens": len(ex.ids)}
             row |= {"depth": ex.depth, "needle_pos": ex.needle_pos, "query": ex.query, "answers": ex.answers}
             examples.append(row | {"output": out, "answer": out.strip(), "score": string_match_all(out, ex.answers)})

@@ -52,6 +52,7 @@ class SuiteTask(Task):
     """A task evaluated through an ``Engine``, with fidelity to a reference method."""
 
     chunk_size: int = 32
+    batch_size: int = 1  # requests per batch (each row its own cache: results equal one at a time)
 
     @abstractmethod
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
@@ -62,7 +63,7 @@ class SuiteTask(Task):
         return {k: intervals.mean([r[k] for r in rows]) for k in keys if all(_number(r.get(k)) for r in rows)}
 
     def _pass(self, model, tokenizer, method, reference: Reference | None, progress: bool) -> tuple[Engine, Evaluation]:
-        engine = Engine(model, tokenizer, method, self.chunk_size, reference)
+        engine = Engine(model, tokenizer, method, self.chunk_size, reference, batch_size=self.batch_size)
         return engine, self.evaluate(engine, progress)
 
     def reference(self, model, tokenizer, reference_method, progress: bool, reference_dir) -> Reference:

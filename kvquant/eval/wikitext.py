@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from kvquant.data import wikitext2_test
 from kvquant.eval import intervals
@@ -26,13 +25,21 @@ KEYS = ("nll", "tokens")  # per window: mean NLL per token, tokens predicted
 
 
 class WikiTextTask(SuiteTask):
-    def __init__(self, limit: int | None = 4, window: int = 1024, chunk_size: int = 32, source: str = "bundled"):
+    def __init__(
+        self,
+        limit: int | None = 4,
+        window: int = 1024,
+        chunk_size: int = 32,
+        source: str = "bundled",
+        batch_size: int = 8,
+    ):
         check_source("wikitext", source, ("bundled",))
-        check_positive("wikitext", limit=limit, window=window, chunk_size=chunk_size)
+        check_positive("wikitext", limit=limit, window=window, chunk_size=chunk_size, batch_size=batch_size)
         if window < 2:
             raise ValueError("window must be >= 2")
         self.limit = None if limit is None else int(limit)
         self.window, self.chunk_size, self.source = int(window), int(chunk_size), source
+        self.batch_size = int(batch_size)
 
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
         check_context(engine.model, self.window, f"task.window={self.window}")
@@ -40,8 +47,9 @@ class WikiTextTask(SuiteTask):
         windows = [ids[i : i + self.window] for i in range(0, len(ids) - self.window + 1, self.window)]
         windows = windows[: self.limit] if self.limit is not None else windows
         nll, tokens, examples = 0.0, 0, []
-        for i, win in enumerate(tqdm(windows, desc=f"wikitext/{engine.method.name}", disable=not progress)):
-            s, t = engine.score(f"wikitext/{i}", win)
+        asks = [(f"wikitext/{i}", win) for i, win in enumerate(windows)]
+        scored = engine.score_many(asks, progress=f"wikitext/{engine.method.name}" if progress else None)
+        for i, (s, t) in enumerate(scored):
             nll, tokens = nll + s, tokens + t
             row = {"id": f"wikitext/{i}", "start_token": i * self.window}
             examples.append(row | {"nll": s / t, "ppl": math.exp(s / t), "tokens": t})
