@@ -162,7 +162,6 @@ class KVGeometry:
         return self.sliding_window if self.is_sliding(layer_idx) else None
 
 
-
 def to_fp16_checked(x: torch.Tensor, layer_idx: int | None, what: str) -> torch.Tensor:
     """Cast K or V to fp16, refusing NaN and values outside fp16's range instead of storing inf."""
     bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)

@@ -148,4 +148,3 @@ def decode_step_time(
                     bits, elements = bits + 32.0 * 2 * k.numel(), elements + 2 * k.numel()
     backend = getattr(cache, "backend", None) or "torch"
     return StepTime(statistics.median(times), bits / max(elements, 1), bits / 8 / repeats, backend)
-
