@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kvquant.cache import KVGeometry
@@ -55,6 +56,10 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None
     task = get_task(cfg.task.name, **params_of(cfg.task))
     model, tokenizer, device = loaded or load(cfg)
     reference = None if cfg.method.name == REFERENCE_METHOD else get_method(REFERENCE_METHOD)
+    cuda = device.startswith("cuda")
+    if cuda:  # the peak of prefill and decode over what the model already holds
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     result = task.run(
         model,
         tokenizer,
@@ -93,7 +98,12 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None
             "widths_v": stats["widths_v"],
         },
         "bits_by_position": result.counts.position_series() if result.counts.by_position else None,
-        "memory": {"kv_bytes": stats["bytes"] / n_seqs, "kv_bytes_fp16": stats["bytes_fp16"] / n_seqs},
+        "memory": {
+            "kv_bytes": stats["bytes"] / n_seqs,
+            "kv_bytes_fp16": stats["bytes_fp16"] / n_seqs,
+            **result.memory,
+            **({"cuda_peak_over_model": torch.cuda.max_memory_allocated() - before} if cuda else {}),
+        },
         "timing": result.timing,
         "device": device,
     }

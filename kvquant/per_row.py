@@ -159,6 +159,17 @@ class PerRowCache(Cache):
         self.chunk, self.spans = real, spans
         self.seen += real.shape[1]
 
+    def fed_alone(self, lengths: Sequence[int], align_end: bool) -> None:
+        """Record tokens fed to the rows' own caches outside the batch (each in forwards of its own): a
+        block of ``max(lengths)`` columns, row ``b``'s ``lengths[b]`` real ones at its end or start."""
+        width = max(lengths, default=0)
+        for b, n in enumerate(lengths):
+            start = self.seen + (width - n if align_end else 0)
+            self.columns[b] = torch.cat([self.columns[b], torch.arange(start, start + n)])
+        self.seen += width
+        for layer in self.layers:
+            layer.seen += width
+
     def take(self, indices: Sequence[int], moves: Sequence[bool]) -> PerRowCache:
         """A cache of rows ``indices``: row ``indices[j]`` itself where ``moves[j]`` (this cache must not
         use it again), else a deep copy of it (a shared prefix continued several ways)."""

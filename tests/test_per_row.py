@@ -20,6 +20,7 @@ from kvquant.data import tinystories_pieces
 from kvquant.eval.engine import Engine, Generation
 from kvquant.eval.fidelity import NEAR_TIE
 from kvquant.per_row import PerRowCache, row_mask
+from tests.conftest import require_kernels_cpu
 from tests.golden import NEEDS_PREDICTORS, method_params
 
 pytestmark = pytest.mark.numerics
@@ -66,10 +67,18 @@ def run(model, tok, method, batch_size: int):
     return engine, texts, lls, scores
 
 
-@pytest.mark.parametrize("name", method_names())
+KERNELS = ["fp16@cpu", "kivi2@cpu", "gear2@cpu", "alignedkv@cpu", "truncation@cpu"]
+
+
+@pytest.mark.parametrize("name", method_names() + KERNELS)
 def test_a_batch_equals_each_row_alone(stories, name):
     model, tok = stories
+    name, _, backend = name.partition("@")
     method = method_on_stories(name, model, tok)
+    if backend:  # the C++ kernels read each row's store behind the batch's attention
+        require_kernels_cpu()
+        method = method.with_params(backend=backend)
+    attention = model.config._attn_implementation
     alone, _, lls1, scores1 = run(model, tok, method, 1)
     batched, _, lls4, scores4 = run(model, tok, method, 3)
     assert batched.n_caches == alone.n_caches
@@ -96,7 +105,7 @@ def test_a_batch_equals_each_row_alone(stories, name):
             assert ll4 == pytest.approx(ll1, abs=1e-3 * m)
     for (s1, t1), (s4, t4) in zip(scores1, scores4, strict=True):
         assert t1 == t4 and s4 == pytest.approx(s1, abs=1e-3 * t1)
-    assert model.config._attn_implementation == "sdpa"  # the engine puts the model's attention back
+    assert model.config._attn_implementation == attention  # the engine puts the model's attention back
 
 
 def test_rows_sit_out_forwards_and_keep_their_own_columns(stories):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvquant.analysis.memory import StepPeak, held_bytes
 from kvquant.attention import restore_attention
 from kvquant.cache import CacheCounts
 from kvquant.errors import KvquantError
@@ -113,10 +114,14 @@ class Engine:
         self.counts = CacheCounts()
         self.unit_counts: dict[str, CacheCounts] = {}
         self.generated: dict[str, torch.Tensor] = {}  # each generation unit's tokens
+        self.memory: list[tuple[float, float]] = []  # per first decode step: held, step peak (bytes per row)
         self.n_caches = 0
         self.truncated = 0
         self.prefill_tokens = self.decode_steps = 0
         self.prefill_s = self.decode_s = 0.0
+        # On a CPU a prompt's forward is compute-bound (batching it gains nothing and spills caches), so
+        # each row's prompt and context run alone, exactly as unbatched; decode steps run batched.
+        self.batch_prefill = torch.device(model.device).type != "cpu"
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -187,6 +192,8 @@ class Engine:
         self, rows: _Rows, seqs: Sequence[Sequence[int]], align_end: bool, step: int | None = None, keep: bool = False
     ) -> list[torch.Tensor]:
         """Feed each row's ``seqs[b]`` in its own chunks of ``step``; return its logits if ``keep``."""
+        if not self.batch_prefill:
+            return self._feed_alone(rows, seqs, align_end, step or self.chunk_size, keep)
         parts: list[list[torch.Tensor]] = [[] for _ in seqs]
         for chunks in schedule([chunks_of(s, step or self.chunk_size) for s in seqs], align_end):
             out = self._forward(rows, chunks, last_only=False) if keep else self._forward(rows, chunks, True)
@@ -196,6 +203,40 @@ class Engine:
                         parts[b].append(out[b])
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         return [torch.cat(p) if p else torch.empty(0, vocab) for p in parts]
+
+    def _feed_alone(
+        self, rows: _Rows, seqs: Sequence[Sequence[int]], align_end: bool, step: int, keep: bool
+    ) -> list[torch.Tensor]:
+        """``_feed_rows`` with each row fed through its own cache in forwards of its own."""
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        out = []
+        for b, seq in enumerate(seqs):
+            parts: list[torch.Tensor] = []
+            self.feed(seq, rows.cache.rows[b], parts.append if keep else None, step)
+            out.append(torch.cat(parts) if parts else torch.empty(0, vocab))
+        self._record_alone(rows, [len(s) for s in seqs], align_end)
+        return out
+
+    def _prompts_alone(self, rows: _Rows, prompts: Sequence[list[int]]) -> list[torch.Tensor]:
+        """Each prompt in one forward of its own through its row's cache; the last position's logits."""
+        last = []
+        for b, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=self.model.device)
+            out = self.model(input_ids=ids, past_key_values=rows.cache.rows[b], use_cache=True, logits_to_keep=1)
+            last.append(out.logits[0, -1].float().cpu())
+        self._record_alone(rows, [len(p) for p in prompts], align_end=True)
+        return last
+
+    @staticmethod
+    def _record_alone(rows: _Rows, lengths: list[int], align_end: bool) -> None:
+        """The batch's columns and mask for tokens its rows' caches took in forwards of their own."""
+        width = max(lengths, default=0)
+        block = torch.zeros(len(lengths), width, dtype=torch.long)
+        for b, n in enumerate(lengths):
+            start = width - n if align_end else 0
+            block[b, start : start + n] = 1
+        rows.cache.fed_alone(lengths, align_end)
+        rows.mask = torch.cat([rows.mask, block], dim=1)
 
     @torch.no_grad()
     def feed(
@@ -209,7 +250,10 @@ class Engine:
         device = self.model.device
         for chunk in chunks_of(ids, chunk_size or self.chunk_size):
             logits = self.model(
-                input_ids=torch.tensor([chunk], device=device), past_key_values=cache, use_cache=True
+                input_ids=torch.tensor([chunk], device=device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=0 if on_logits is not None else 1,
             ).logits[0]
             if on_logits is not None:
                 on_logits(logits.float().cpu())
@@ -340,8 +384,10 @@ class Engine:
         if chunked_prefill:
             self._feed_rows(rows, [p[:-1] for p in prompts], align_end=True)
             last = self._forward(rows, [p[-1:] for p in prompts], last_only=True)
-        else:
+        elif self.batch_prefill:
             last = self._forward(rows, list(prompts), last_only=True)
+        else:
+            last = self._prompts_alone(rows, prompts)
         t1 = time.perf_counter()
         tokens: list[list[int]] = [[] for _ in prompts]
         logits: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -360,7 +406,14 @@ class Engine:
             if len(keep) < len(active):
                 rows = self._take(rows, keep, [True] * len(keep))
                 active = [active[j] for j in keep]
-            last = self._forward(rows, [[tokens[b][-1]] for b in active], last_only=True)
+            step = [[tokens[b][-1]] for b in active]
+            if forced is None and len(tokens[active[0]]) == 1:  # the first decode step: measure its memory
+                held = held_bytes(rows.cache)
+                with StepPeak() as peak:
+                    last = self._forward(rows, step, last_only=True)
+                self.memory.append((held / len(active), peak.peak / len(active)))
+            else:
+                last = self._forward(rows, step, last_only=True)
         if forced is None:
             self.prefill_s += t1 - t0
             self.decode_s += time.perf_counter() - t1
@@ -462,6 +515,17 @@ class Engine:
                 "(under <results_dir>/references) and rerun"
             )
         self.fidelity.add(key, ref, tokens, logprobs if forced is None else forced, generated)
+
+    def memory_summary(self) -> dict[str, float]:
+        """Largest held bytes and largest held + step peak per sequence over the first decode step of
+        every generation batch (``kvquant.analysis.memory``: measured, not by formula)."""
+        if not self.memory:
+            return {}
+        return {
+            "held_bytes": max(h for h, _ in self.memory),
+            "step_peak_bytes": max(p for _, p in self.memory),
+            "held_plus_step_peak_bytes": max(h + p for h, p in self.memory),
+        }
 
     def timing(self) -> dict[str, float]:
         out = {}

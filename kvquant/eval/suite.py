@@ -137,6 +137,7 @@ class SuiteTask(Task):
             ci95=ci95,
             n_by_key=n_by_key,
             paired=differences,
+            memory=engine.memory_summary(),
         )
 
     def paired(

@@ -16,6 +16,7 @@ class TaskResult:
 
     ``examples`` are per-example outputs (written as JSONL beside results.json), ``info`` extra facts
     for the task block (e.g. prompts truncated), ``n_caches`` how many caches the counts add over.
+    ``memory`` is measured memory per sequence (held by the cache, a decode step's allocation peak).
     ``ci95``, ``n_by_key`` and ``paired`` are results.json's blocks of the same names
     (``kvquant.eval.intervals.blocks``): 95% intervals and example counts keyed ``metrics/<name>``,
     ``fidelity/<name>``, ``paired/<name>``, and each metric's difference to fp16 on the same examples.
@@ -32,6 +33,7 @@ class TaskResult:
     ci95: dict[str, list[float]] = field(default_factory=dict)
     n_by_key: dict[str, int] = field(default_factory=dict)
     paired: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
 
 
 class Task(ABC):
