@@ -5,7 +5,7 @@ once alone and once in one batch. Per unit: bits stored equal exactly, bits read
 (AlignedKV's widths follow float values), log-likelihoods within 1e-3 nats per token, greedy tokens
 identical or parting first at a near-tie of the unbatched run. Per token, not per continuation: the
 batch's projections sum in another order (BLAS picks kernels by shape), and a K element that sits on
-a truncation or quantization boundary then rounds the other way (truncation: 4.5e-3 nats over 8 tokens).
+a truncation or quantization boundary then rounds the other way.
 """
 
 import shutil
