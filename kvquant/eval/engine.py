@@ -196,24 +196,25 @@ class Engine:
             return self._feed_alone(rows, seqs, align_end, step or self.chunk_size, keep)
         parts: list[list[torch.Tensor]] = [[] for _ in seqs]
         for chunks in schedule([chunks_of(s, step or self.chunk_size) for s in seqs], align_end):
-            out = self._forward(rows, chunks, last_only=False) if keep else self._forward(rows, chunks, True)
+            out = self._forward(rows, chunks, last_only=not keep)
             if keep:
                 for b, chunk in enumerate(chunks):
                     if chunk:
                         parts[b].append(out[b])
-        vocab = self.model.config.get_text_config(decoder=True).vocab_size
-        return [torch.cat(p) if p else torch.empty(0, vocab) for p in parts]
+        return [torch.cat(p) if p else self._no_logits() for p in parts]
+
+    def _no_logits(self) -> torch.Tensor:
+        return torch.empty(0, self.model.config.get_text_config(decoder=True).vocab_size)
 
     def _feed_alone(
         self, rows: _Rows, seqs: Sequence[Sequence[int]], align_end: bool, step: int, keep: bool
     ) -> list[torch.Tensor]:
         """``_feed_rows`` with each row fed through its own cache in forwards of its own."""
-        vocab = self.model.config.get_text_config(decoder=True).vocab_size
         out = []
         for b, seq in enumerate(seqs):
             parts: list[torch.Tensor] = []
             self.feed(seq, rows.cache.rows[b], parts.append if keep else None, step)
-            out.append(torch.cat(parts) if parts else torch.empty(0, vocab))
+            out.append(torch.cat(parts) if parts else self._no_logits())
         self._record_alone(rows, [len(s) for s in seqs], align_end)
         return out
 
@@ -261,7 +262,7 @@ class Engine:
     def chunked_logits(self, ids: Sequence[int], cache, chunk_size: int | None = None) -> torch.Tensor:
         parts: list[torch.Tensor] = []
         self.feed(ids, cache, parts.append, chunk_size)
-        return torch.cat(parts) if parts else torch.empty(0, self.model.config.vocab_size)
+        return torch.cat(parts) if parts else self._no_logits()
 
     def _batches(self, items: Sequence, length: Callable[[Any], int], progress: str | None = None):
         """Indices of ``items`` in batches of ``batch_size``, longest first (less padding per batch); with
