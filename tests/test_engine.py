@@ -73,6 +73,33 @@ def test_lossy_method_is_compared_unit_by_unit(stories):
 
 
 @pytest.mark.parametrize("chunked_prefill", [False, True])
+@pytest.mark.parametrize("name", ["truncation", "kivi2"])
+def test_teacher_forcing_from_the_kept_prefill_equals_feeding_the_prompts_again(
+    stories, monkeypatch, name, chunked_prefill
+):
+    """Rows that part from fp16 are teacher-forced from a copy of their state after the prompt: the same
+    KL, top-1 agreement and bits as feeding each prompt again (what happens above ``KEEP_PREFILL_BYTES``)."""
+    from kvquant.eval import engine as engine_module
+    from kvquant.eval.engine import Generation
+
+    model, tok = stories
+    params = {"group_size": 8, "residual": 16} if name == "kivi2" else {"keep_bits": 8}
+    asks = [Generation(f"g/{i}", ids_of(tok, 10 + i, 20 + 9 * i), 24, (), chunked_prefill) for i in range(3)]
+    fp16 = Engine(model, tok, get_method("fp16"), chunk_size=16, batch_size=3)
+    fp16.generate_many(asks)
+    outcome = {}
+    for limit in (engine_module.KEEP_PREFILL_BYTES, 0):
+        monkeypatch.setattr(engine_module, "KEEP_PREFILL_BYTES", limit)
+        lossy = Engine(model, tok, get_method(name, **params), chunk_size=16, reference=fp16.recording, batch_size=3)
+        lossy.generate_many(asks)
+        outcome[limit] = (lossy.fidelity.summary(), lossy.counts.summary(), lossy.n_caches)
+    (fidelity, counts, caches), again = outcome.values()
+    assert counts == again[1] and caches == again[2] and fidelity["greedy_match"] < 1  # some rows were forced
+    # the batch's last prompt token runs with the rows that part only when fed again: fp32 summation order
+    assert fidelity == pytest.approx(again[0], rel=1e-6) and fidelity["kl"] > 0
+
+
+@pytest.mark.parametrize("chunked_prefill", [False, True])
 @pytest.mark.parametrize("name", ["alignedkv", "kivi2"])
 def test_teacher_forcing_along_own_tokens_reproduces_free_decoding(stories, name, chunked_prefill):
     """Forced decoding is one decode step per token, as in generation: along the method's own greedy

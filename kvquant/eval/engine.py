@@ -29,6 +29,8 @@ from kvquant.errors import KvquantError
 from kvquant.eval.reference import FidelityStats, Reference, UnitRecord
 from kvquant.per_row import PerRowCache
 
+KEEP_PREFILL_BYTES = 1 << 30  # above this a batch's prefilled caches are not copied for teacher forcing
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -375,20 +377,14 @@ class Engine:
         stops: Sequence[Sequence[str]] = (),
         forced: Sequence[torch.Tensor] | None = None,
         keys: Sequence[str] | None = None,
+        start: tuple[_Rows, list[torch.Tensor]] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Greedy decoding of each prompt in one batch (or, with ``forced``, teacher forcing along those
         tokens: every forced token is one decode step, as in generation — fed in chunks, a multi-token
         forward would attend in full precision within the chunk, and KL would read ≈ 0). A row stops at
-        its budget, EOS or a stop string and leaves the batch. Returns (tokens, log-probs) per prompt."""
-        rows = self._rows(len(prompts))
-        t0 = time.perf_counter()
-        if chunked_prefill:
-            self._feed_rows(rows, [p[:-1] for p in prompts], align_end=True)
-            last = self._forward(rows, [p[-1:] for p in prompts], last_only=True)
-        elif self.batch_prefill:
-            last = self._forward(rows, list(prompts), last_only=True)
-        else:
-            last = self._prompts_alone(rows, prompts)
+        its budget, EOS or a stop string and leaves the batch. ``start``: the prompts already fed
+        (``_prefill``'s rows and last logits). Returns (tokens, log-probs) per prompt."""
+        rows, last = self._prefill(prompts, chunked_prefill, timed=forced is None) if start is None else start
         t1 = time.perf_counter()
         tokens: list[list[int]] = [[] for _ in prompts]
         logits: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -416,14 +412,38 @@ class Engine:
             else:
                 last = self._forward(rows, step, last_only=True)
         if forced is None:
-            self.prefill_s += t1 - t0
             self.decode_s += time.perf_counter() - t1
-            self.prefill_tokens += sum(len(p) for p in prompts)
             self.decode_steps += sum(len(t) - 1 for t in tokens)
         return [
             (torch.tensor(t, dtype=torch.long), torch.log_softmax(torch.stack(lg), dim=-1))
             for t, lg in zip(tokens, logits, strict=True)
         ]
+
+    def _prefill(self, prompts: Sequence[list[int]], chunked_prefill: bool, timed: bool) -> tuple[_Rows, list]:
+        """Fresh rows fed ``prompts`` (all but the last token in chunks when ``chunked_prefill``) and each
+        prompt's last logits: where decoding starts."""
+        t0 = time.perf_counter()
+        rows = self._rows(len(prompts))
+        if chunked_prefill:
+            self._feed_rows(rows, [p[:-1] for p in prompts], align_end=True)
+            last = self._forward(rows, [p[-1:] for p in prompts], last_only=True)
+        elif self.batch_prefill:
+            last = self._forward(rows, list(prompts), last_only=True)
+        else:
+            last = self._prompts_alone(rows, prompts)
+        if timed:
+            self.prefill_s += time.perf_counter() - t0
+            self.prefill_tokens += sum(len(p) for p in prompts)
+        return rows, last
+
+    def _kept(self, start: tuple[_Rows, list[torch.Tensor]]) -> tuple[_Rows, list[torch.Tensor]] | None:
+        """A copy of a prefilled batch, for teacher-forcing the rows that part from fp16's tokens without
+        feeding their prompts again (None above ``KEEP_PREFILL_BYTES``: those rows are fed again)."""
+        rows, last = start
+        if held_bytes(rows.cache) > KEEP_PREFILL_BYTES:
+            return None
+        n = len(last)
+        return rows.take(range(n), [False] * n), list(last)
 
     def _finished(self, tokens: list[int], budget: int, stops: Sequence[str], forced) -> bool:
         if len(tokens) >= budget:
@@ -471,21 +491,25 @@ class Engine:
                 todo = [i for i, r in enumerate(requests) if bool(r.chunked_prefill) == mode]
                 for batch in self._batches(todo, lambda i: len(prompts[i]), progress if todo else None):
                     idx = [todo[i] for i in batch]
+                    start = self._prefill([prompts[i] for i in idx], mode, timed=True)
+                    kept = self._kept(start) if self.reference is not None else None
                     results = self._decode(
                         [prompts[i] for i in idx],
                         mode,
                         [requests[i].max_new_tokens for i in idx],
                         [requests[i].stops for i in idx],
                         keys=[f"{requests[i].key}#0" for i in idx],
+                        start=start,
                     )
-                    self._compare(requests, prompts, idx, results, mode)
+                    self._compare(requests, prompts, idx, results, mode, kept)
                     for i, (tokens, _) in zip(idx, results, strict=True):
                         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                         out[i] = cut_at_stop(text, requests[i].stops)
             return out  # type: ignore[return-value]
 
-    def _compare(self, requests, prompts, idx: list[int], results, chunked_prefill: bool) -> None:
-        """Record or compare each generated unit; teacher-force the ones that part from fp16's tokens."""
+    def _compare(self, requests, prompts, idx: list[int], results, chunked_prefill: bool, kept=None) -> None:
+        """Record or compare each generated unit; teacher-force the ones that part from fp16's tokens
+        (from ``kept``, the batch's state after its prompts, where there is one)."""
         forced: dict[int, torch.Tensor] = {}
         for i, (tokens, _) in zip(idx, results, strict=True):
             ref = self.reference.units.get(f"{requests[i].key}#0") if self.reference is not None else None
@@ -496,7 +520,14 @@ class Engine:
         for k in range(0, len(todo), self.batch_size):
             batch = todo[k : k + self.batch_size]
             refs = [forced[i] for i in batch]
-            runs = self._decode([prompts[i] for i in batch], chunked_prefill, [len(f) for f in refs], forced=refs)
+            start = None
+            if kept is not None:
+                at = [idx.index(i) for i in batch]
+                start = (kept[0].take(at, [True] * len(at)), [kept[1][j] for j in at])
+                self.n_caches += len(at)  # the copies taken after the prompts
+            runs = self._decode(
+                [prompts[i] for i in batch], chunked_prefill, [len(f) for f in refs], forced=refs, start=start
+            )
             along.update({i: lp for i, (_, lp) in zip(batch, runs, strict=True)})
         for i, (tokens, logprobs) in zip(idx, results, strict=True):
             key = f"{requests[i].key}#0"
