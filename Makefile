@@ -18,7 +18,7 @@ setup:
 
 test:
 	$(VENV)/bin/ruff check .
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=15
 
 # The numerics-marked tests again on a second floating-point code path (MKL's conditional-numerical-
 # reproducibility mode, one thread): what another CPU or thread count would sum differently.

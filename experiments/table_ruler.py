@@ -16,8 +16,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.cells import FIDELITY, cell_row, counts, excludes_zero, fmt, fmt_ci, footnotes, grid, run_cells
-from experiments.table_tasks import FIDELITY_HEAD, col
+from experiments.cells import cell_row, counts, excludes_zero, fmt_ci, footnotes, grid, run_cells
+from experiments.table_tasks import FIDELITY_HEAD, col, fidelity_values, write_markdown
 from kvquant.eval.intervals import MIN_N_CLAIM
 from kvquant.eval.ruler_tasks import SUBTASKS
 
@@ -95,20 +95,8 @@ def render(table, stem: Path) -> list[Path]:
         "|---" * (1 + len(FIDELITY_HEAD)) + "|",
     ]
     for row in ours[ours.status != "skipped"].drop_duplicates("method").itertuples():
-        examples = col(row, "examples")
-        values = [str(int(examples)) if examples == examples and examples is not None else "–"]
-        for key in list(FIDELITY_HEAD)[1:-1]:
-            digits = 4 if key == "kl" else 3
-            if key in FIDELITY:
-                values.append(fmt_ci(getattr(row, key), col(row, f"{key}_lo"), col(row, f"{key}_hi"), digits))
-            else:
-                values.append(fmt(getattr(row, key), digits))
-        values.append(fmt(row.wall_s, 0))
-        lines.append(f"| {row.method} | " + " | ".join(values) + " |")
-    path = stem.with_suffix(".md")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path]
+        lines.append(f"| {row.method} | " + " | ".join(fidelity_values(row, col(row, "examples"), 0)) + " |")
+    return [write_markdown(stem, lines)]
 
 
 def rows_of(result) -> list[dict[str, Any]]:

@@ -152,19 +152,27 @@ def render(table, stem: Path) -> list[Path]:
         "|---" * (2 + len(FIDELITY_HEAD)) + "|",
     ]
     for row in ours[ours.status != "skipped"].itertuples():
-        values = [str(int(row.n)) if row.n == row.n else "–"]
-        for key in list(FIDELITY_HEAD)[1:-1]:
-            digits = 4 if key == "kl" else 3
-            if key in FIDELITY:
-                values.append(fmt_ci(getattr(row, key), col(row, f"{key}_lo"), col(row, f"{key}_hi"), digits))
-            else:
-                values.append(fmt(getattr(row, key), digits))
-        values.append(fmt(row.wall_s, 1))
-        lines.append(f"| {row.method} | {row.task} | " + " | ".join(values) + " |")
+        lines.append(f"| {row.method} | {row.task} | " + " | ".join(fidelity_values(row, row.n)) + " |")
+    return [write_markdown(stem, lines)]
+
+
+def fidelity_values(row, n: Any, wall_digits: int = 1) -> list[str]:
+    """A fidelity table row (``FIDELITY_HEAD``'s columns): n, each fidelity number with its interval, bits, time."""
+    values = [str(int(n)) if n is not None and n == n else "–"]
+    for key in list(FIDELITY_HEAD)[1:-1]:
+        digits = 4 if key == "kl" else 3
+        if key in FIDELITY:
+            values.append(fmt_ci(getattr(row, key), col(row, f"{key}_lo"), col(row, f"{key}_hi"), digits))
+        else:
+            values.append(fmt(getattr(row, key), digits))
+    return values + [fmt(row.wall_s, wall_digits)]
+
+
+def write_markdown(stem: Path, lines: list[str]) -> Path:
     path = stem.with_suffix(".md")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path]
+    return path
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
