@@ -14,7 +14,7 @@ def test_run_reports_metrics_bits_timing_and_fidelity(stories):
     assert result.counts.summary()["bits_read"] == 16.0
     assert result.timing["decode_tok_s"] > 0
     assert task.params()["chunk_size"] == 32
-    assert result.n_by_key["metrics/ppl"] == 10 and result.n_by_key["fidelity/kl"] == 2
+    assert result.n_by_key["metrics/ppl"] == 10 and result.n_by_key["fidelity/kl"] == 12  # stories and prompts
     lo, hi = result.ci95["metrics/ppl"]
     assert lo < result.metrics["ppl"] < hi and result.ci95["paired/ppl"] == [0.0, 0.0]
     assert result.ci95["fidelity/greedy_match"] == [1.0, 1.0] and result.paired == {"ppl": 0.0, "nll": 0.0}

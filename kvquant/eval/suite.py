@@ -35,6 +35,7 @@ class Evaluation:
     examples: list[dict[str, Any]]
     info: dict[str, Any] = field(default_factory=dict)
     keys: tuple[str, ...] = ()  # the rows' fields the metrics are computed from (kept with fp16's reference)
+    n: int | None = None  # the examples the metrics are over, where not every row is one (default: all rows)
 
 
 def check_positive(task: str, **values: int | None) -> None:
@@ -127,7 +128,7 @@ class SuiteTask(Task):
             info["interval_problems"] = problems
         return TaskResult(
             metrics=evaluation.metrics,
-            n=len(examples),
+            n=len(examples) if evaluation.n is None else evaluation.n,
             counts=engine.counts,
             timing=engine.timing(),
             fidelity=fidelity,

@@ -1,32 +1,37 @@
 """``tinystories``: perplexity through the cache on TinyStories validation stories + greedy continuations.
 
 Perplexity scores the first ``ppl_pieces`` stories (each separately, BOS as the tokenizer adds it,
-at most ``max_tokens`` tokens), fed in chunks of ``chunk_size``; with a reference method the stories
-are scored with it too, for the paired difference of perplexity (intervals resample stories).
-Greedy continuations of the first ``limit`` prompts give timing, bits read and fidelity to fp16:
-prompt i is the first ``prompt_tokens`` tokens of stories i, i+1, … joined by blank lines — long
-enough (256 by default) that caches with an fp16 window (KIVI's 128 tokens) quantize part of it, so
-fidelity measures the method, not the window.
+at most ``max_tokens`` tokens), fed in chunks of ``chunk_size``; fp16's reference scores them too,
+for the paired difference of perplexity (intervals resample stories). Greedy continuations of the
+first ``limit`` prompts give decode timing, fidelity to fp16 and answer agreement (the share of
+prompts whose whole continuation equals fp16's): prompt i is the first ``prompt_tokens`` tokens of
+stories i, i+1, … joined by blank lines — long enough (256 by default) that caches with an fp16
+window (KIVI's 128 tokens) quantize part of it, so fidelity measures the method, not the window.
+Everything runs through an ``Engine``, ``batch_size`` sequences at a time (each row its own cache),
+so bits stored/read count all the cache did: scoring and decoding.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from tqdm.auto import tqdm
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from kvquant.cache import CacheCounts
+import numpy as np
+
 from kvquant.data import tinystories_pieces
 from kvquant.errors import InvalidParameterError
 from kvquant.eval import intervals
-from kvquant.eval.fidelity import compare_to_reference, decode_timing, greedy_decode
-from kvquant.eval.perplexity import ppl_metrics, sequence_nlls
-from kvquant.eval.tasks import Task, TaskResult, register_task
+from kvquant.eval.engine import Engine, Generation
+from kvquant.eval.perplexity import ppl_metrics
+from kvquant.eval.suite import Evaluation, SuiteTask
+from kvquant.eval.tasks import register_task
+
+KEYS = ("nll", "tokens")  # per story: summed NLL, tokens predicted
 
 
-def encode(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
+def encode(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
     ids = tokenizer(text).input_ids
-    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+    return list(ids[:max_tokens] if max_tokens else ids)
 
 
 def check_context(model, needed: int, what: str) -> None:
@@ -38,7 +43,7 @@ def check_context(model, needed: int, what: str) -> None:
         )
 
 
-class TinyStoriesTask(Task):
+class TinyStoriesTask(SuiteTask):
     def __init__(
         self,
         limit: int = 20,
@@ -48,6 +53,7 @@ class TinyStoriesTask(Task):
         prompt_tokens: int = 256,
         max_new_tokens: int = 64,
         source: str = "bundled",
+        batch_size: int = 8,
     ):
         if source != "bundled":
             raise InvalidParameterError(f"task tinystories: source '{source}' is not offered; use source=bundled")
@@ -58,6 +64,7 @@ class TinyStoriesTask(Task):
             ("max_tokens", max_tokens),
             ("prompt_tokens", prompt_tokens),
             ("max_new_tokens", max_new_tokens),
+            ("batch_size", batch_size),
         ]:
             if int(value) < (0 if key in ("limit", "ppl_pieces") else 1):
                 raise InvalidParameterError(f"task tinystories: {key}={value} must be positive")
@@ -67,11 +74,10 @@ class TinyStoriesTask(Task):
             int(prompt_tokens),
             int(max_new_tokens),
         )
-        self.source = source
+        self.source, self.batch_size = source, int(batch_size)
 
-    def run(
-        self, model, tokenizer, method, reference_method=None, progress: bool = False, reference_dir=None
-    ) -> TaskResult:
+    def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
+        model, tokenizer = engine.model, engine.tokenizer
         check_context(model, self.max_tokens, f"task.max_tokens={self.max_tokens}")
         check_context(
             model,
@@ -81,54 +87,30 @@ class TinyStoriesTask(Task):
         pieces = tinystories_pieces()
         if max(self.ppl_pieces, self.limit) > len(pieces):
             raise InvalidParameterError(f"task tinystories has {len(pieces)} stories; lower limit/ppl_pieces")
-        sequences = [encode(tokenizer, p, self.max_tokens) for p in pieces[: self.ppl_pieces]]
-        prompts = [encode(tokenizer, "\n\n".join(pieces[i : i + 8]), self.prompt_tokens) for i in range(self.limit)]
-
-        total = len(sequences) * (1 if reference_method is None else 2) + len(prompts)
-        bar = tqdm(total=total, desc=f"tinystories/{method.name}", disable=not progress)
-        nlls, _ = sequence_nlls(model, sequences, lambda: method.new_cache(model), self.chunk_size, bar.update)
-        metrics = ppl_metrics(nlls)
-        estimators = {"metrics": ppl_estimators(nlls)}
-        paired = None
-        if reference_method is not None:
-            ref_nlls, _ = sequence_nlls(
-                model, sequences, lambda: reference_method.new_cache(model), self.chunk_size, bar.update
-            )
-            ref_estimators = ppl_estimators(ref_nlls)
-            paired = {k: (v, ref_estimators[k]) for k, v in estimators["metrics"].items()}
-        if reference_method is None:
-            decodes = []
-            for prompt in prompts:
-                decodes.append(greedy_decode(model, prompt, method.new_cache(model), self.max_new_tokens))
-                bar.update(1)
-            fidelity = None
-        else:
-            run = compare_to_reference(
-                model,
-                prompts,
-                lambda: method.new_cache(model),
-                lambda: reference_method.new_cache(model),
+        stories = [
+            (f"story/{i}", encode(tokenizer, p, self.max_tokens)) for i, p in enumerate(pieces[: self.ppl_pieces])
+        ]
+        label = f"tinystories/{engine.method.name}" if progress else None
+        scored = engine.score_many(stories, progress=label)
+        examples = [{"id": key, "nll": nll, "tokens": n} for (key, _), (nll, n) in zip(stories, scored, strict=True)]
+        asks = [
+            Generation(
+                f"prompt/{i}",
+                encode(tokenizer, "\n\n".join(pieces[i : i + 8]), self.prompt_tokens),
                 self.max_new_tokens,
-                bar.update,
             )
-            decodes, fidelity = run.decodes, run.summary()
-            estimators["fidelity"] = run.estimators()
-        bar.close()
-        counts = sum((d.counts for d in decodes), start=CacheCounts())
-        ci95, n_by_key, differences, problems = intervals.blocks(
-            estimators, {"metrics": metrics, "fidelity": fidelity or {}}, paired
-        )
-        return TaskResult(
-            metrics=metrics,
-            n=len(sequences),
-            counts=counts,
-            timing=decode_timing(decodes),
-            fidelity=fidelity,
-            info={"interval_problems": problems} if problems else {},
-            ci95=ci95,
-            n_by_key=n_by_key,
-            paired=differences,
-        )
+            for i in range(self.limit)
+        ]
+        outs = engine.generate_many(asks, progress=label)
+        examples += [{"id": ask.key, "output": out, "answer": out} for ask, out in zip(asks, outs, strict=True)]
+        metrics = ppl_metrics([(nll, n) for nll, n in scored])
+        return Evaluation(metrics, examples, {"prompts": len(asks)}, KEYS, n=len(stories))
+
+    def estimators(
+        self, rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEYS
+    ) -> dict[str, intervals.Estimator]:
+        """Perplexity over the scored stories (the continuation rows carry no NLL)."""
+        return ppl_estimators([(r["nll"], r["tokens"]) for r in rows if "tokens" in r])
 
 
 def ppl_estimators(nlls: list[tuple[float, int]]) -> dict[str, intervals.Estimator]:
