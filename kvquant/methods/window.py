@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvquant.attention import resolve_kernels, tagged_placeholder
+from kvquant.attention import resolve_kernels, stock_attention, tagged_placeholder
 from kvquant.backends import check_backend, get_backend
 from kvquant.cache import KVCache, KVGeometry, KVLayer, nbytes, whole_bit_widths
 from kvquant.errors import InvalidParameterError, KvquantError
@@ -38,6 +38,7 @@ from kvquant.methods.base import KVMethod
 
 TOKEN_AXIS = 2
 CHANNEL_AXIS = 3
+PROMPT_QUERIES = 16  # queries in one forward from which a chunk is a prompt chunk (attend dequantizes once)
 
 __all__ = [
     "CHANNEL_AXIS",
@@ -391,7 +392,13 @@ class WindowedLayer(KVLayer):
         )
 
     def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
-        """Attention over the stored codes and windows by the backend's kernel (``kvquant.attention``)."""
+        """Attention over the stored codes and windows by the backend's kernel (``kvquant.attention``).
+        A prompt chunk of ``PROMPT_QUERIES`` or more queries dequantizes the history once, as the torch
+        path does, for the model's stock attention: the kernel dequantizes per query, which made
+        chunked prefill several times slower than torch; decode steps (and short chunks) use the kernel."""
+        if query.shape[2] >= PROMPT_QUERIES:
+            keys, values = self.k_stream.read(query.dtype), self.v_stream.read(query.dtype)
+            return stock_attention(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
         ops = get_backend(self.backend).ops
         fmt = self.params.kernel_format
         n = self.k_stream.length
