@@ -145,6 +145,37 @@ def test_the_cpu_kernels_follow_the_torch_path(stories, name):
         beam_search_runs(routed, tok, get_method(name, backend="cpu"))
 
 
+@pytest.mark.parametrize("name", ["kivi2", "gear2"])
+def test_prompt_chunks_on_the_kernel_backend_attend_as_the_torch_path_does(stories, name, monkeypatch):
+    """A chunk of ``PROMPT_QUERIES`` or more queries dequantizes the history once for stock attention
+    on both backends: chunked prefill gives bit-identical logits; shorter chunks go through the kernel."""
+    from conftest import require_kernels_cpu
+
+    import kernels_cpu.ops
+    from kvquant.methods import window
+
+    require_kernels_cpu()
+    model, tok = stories
+    ids = tok(" ".join(["Once upon a time, a little fox ran into the woods."] * 12), return_tensors="pt").input_ids
+    calls = []
+    real = kernels_cpu.ops.attend_kivi if name == "kivi2" else kernels_cpu.ops.attend_gear
+    monkeypatch.setattr(kernels_cpu.ops, f"attend_{name[:4]}", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for chunk, kernel_calls in ((window.PROMPT_QUERIES, 0), (window.PROMPT_QUERIES - 1, 1)):
+        logits = {}
+        for backend in ("torch", "cpu"):
+            calls.clear()
+            method = get_method(name, group_size=8, residual=16, backend=backend)
+            with method.attach(model), torch.no_grad():
+                cache = method.new_cache(model)
+                parts = [model(ids[:, i : i + chunk], past_key_values=cache).logits for i in range(0, 4 * chunk, chunk)]
+            logits[backend] = torch.cat(parts, 1)
+            assert bool(calls) == (backend == "cpu" and kernel_calls > 0)
+        if kernel_calls:  # close, not equal: an fp32 difference flips the odd code at a rounding boundary
+            assert (logits["cpu"] - logits["torch"]).abs().max() < 0.05
+        else:
+            assert torch.equal(logits["cpu"], logits["torch"])
+
+
 @pytest.mark.parametrize("backend", ["cpu", "auto"])
 def test_models_the_kernels_cannot_run_are_refused_or_fall_back(backend, capsys):
     """Sliding windows and soft-capped logits: ``cpu`` is one line of error, ``auto`` the torch path
