@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvquant.data import tinystories_pieces
 from kvquant.errors import InvalidParameterError
@@ -29,9 +30,9 @@ from kvquant.eval.tasks import register_task
 KEYS = ("nll", "tokens")  # per story: summed NLL, tokens predicted
 
 
-def encode(tokenizer, text: str, max_tokens: int | None = None) -> list[int]:
+def encode(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
     ids = tokenizer(text).input_ids
-    return list(ids[:max_tokens] if max_tokens else ids)
+    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
 
 
 def check_context(model, needed: int, what: str) -> None:
@@ -88,7 +89,8 @@ class TinyStoriesTask(SuiteTask):
         if max(self.ppl_pieces, self.limit) > len(pieces):
             raise InvalidParameterError(f"task tinystories has {len(pieces)} stories; lower limit/ppl_pieces")
         stories = [
-            (f"story/{i}", encode(tokenizer, p, self.max_tokens)) for i, p in enumerate(pieces[: self.ppl_pieces])
+            (f"story/{i}", encode(tokenizer, p, self.max_tokens).tolist())
+            for i, p in enumerate(pieces[: self.ppl_pieces])
         ]
         label = f"tinystories/{engine.method.name}" if progress else None
         scored = engine.score_many(stories, progress=label)
@@ -96,7 +98,7 @@ class TinyStoriesTask(SuiteTask):
         asks = [
             Generation(
                 f"prompt/{i}",
-                encode(tokenizer, "\n\n".join(pieces[i : i + 8]), self.prompt_tokens),
+                encode(tokenizer, "\n\n".join(pieces[i : i + 8]), self.prompt_tokens).tolist(),
                 self.max_new_tokens,
             )
             for i in range(self.limit)
