@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from kvquant.attention import tagged_placeholder
+from kvquant.backends import get_backend
 from kvquant.cache import KVCache, KVLayer, nbytes, to_fp16_checked, whole_bit_widths
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.aquakv.predictors import Predictors, dequantize_pair, encode_pair, from_rows, to_rows
@@ -103,9 +105,10 @@ class AquaKVLayer(KVLayer):
         sink: int,
         recent: int,
         window: int | None = None,
+        backend: str = "torch",
     ):
         super().__init__(layer_idx, window)
-        self.quant, self.pred_k, self.pred_v = quant, pred_k, pred_v
+        self.quant, self.pred_k, self.pred_v, self.backend = quant, pred_k, pred_v, backend
         self.sink, self.recent = sink, recent  # fp16 tokens: first ``sink`` and newest ``recent``
         self.horizon, self.early = window, False
         self.owner: AquaKVCache | None = None
@@ -117,6 +120,7 @@ class AquaKVLayer(KVLayer):
         self.qv: HiggsTensor | None = None
         self.n_quant = self.code_lo = self.sink_lo = 0  # tokens coded so far; first code / sink position held
         self.n_heads = self.head_dim = 0
+        self._step_rope: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
     def reset(self) -> None:
         super().reset()
@@ -169,6 +173,7 @@ class AquaKVLayer(KVLayer):
         self.k_win.map(fn)
         self.v_win.map(fn)
         self.qk, self.qv = map_higgs(self.qk, fn), map_higgs(self.qv, fn)
+        self._step_rope = None
         if self.owner is not None and self.layer_idx == 0:
             self.owner.map_shared(fn)
 
@@ -193,6 +198,8 @@ class AquaKVLayer(KVLayer):
 
         m = 0 if leaving_k is None else leaving_k.shape[-2]
         start = self.seen - self.n_recent - m  # position of the first token leaving the window
+        if self.backend != "torch":
+            return self._update_for_kernel(leaving_k, leaving_v, start, key_states)
         lo = self.code_lo if self.qk is not None else start
         hi = start + m if m else lo + self.n_codes
         prev = self.owner.previous(self.layer_idx, lo, hi) if self.needs_previous() and hi > lo else None
@@ -206,6 +213,44 @@ class AquaKVLayer(KVLayer):
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
         return out
+
+    def _update_for_kernel(
+        self, leaving_k: torch.Tensor | None, leaving_v: torch.Tensor | None, start: int, key_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Code what leaves the window as the torch path does, count the same reads, and hand attention
+        placeholders that send it to ``attend`` (HIGGS on full-attention layers: ``new_cache`` sees to it).
+        Nothing is reconstructed: no layer predicts from this one."""
+        if leaving_k is not None:
+            self.code(leaving_k, leaving_v, start, None)
+        self._step_rope = self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes) if self.qk else None
+        self._count_reads(self.n_sinks + self.n_recent)
+        if self.layer_idx == len(self.owner.layers) - 1:
+            self.owner.end_forward()
+        b, h, _, d = key_states.shape
+        shape = (b, h, self.held_tokens(), d)
+        return (
+            tagged_placeholder(self, shape, key_states.dtype, key_states.device),
+            tagged_placeholder(self, shape, key_states.dtype, key_states.device),
+        )
+
+    def coded_rope(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """fp32 cos/sin ``[B, n_codes, D]`` of the coded tokens (None before any): what a kernel re-applies
+        RoPE to the pre-RoPE keys with; this step's tables, shared by the layers, once ``update`` ran."""
+        if self.qk is None:
+            return None, None
+        if self._step_rope is not None:
+            return self._step_rope
+        return self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes)
+
+    def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
+        """Attention over the stored codes, sinks and window by the backend's kernel (``kvquant.attention``)."""
+        ops = get_backend(self.backend).ops
+        n = self.held_tokens()
+        mask = attention_mask[..., :n] if attention_mask is not None else None
+        causal = mask is None and query.shape[2] > 1
+        out = ops.attend_higgs(query, **ops.higgs_tensors(self), mask=mask, scaling=scaling, causal=causal)
+        self._step_rope = None
+        return out.transpose(1, 2).contiguous(), None
 
     def _attended(
         self, dtype: torch.dtype, rk: torch.Tensor | None, rv: torch.Tensor | None, before: int
