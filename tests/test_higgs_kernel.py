@@ -1,0 +1,247 @@
+"""``kernels_cpu.attend_higgs`` against the torch path of the ``higgs`` method, and ``backend=cpu`` on a model.
+
+The reference is what the torch path hands the model's attention (every coded token reconstructed,
+RoPE re-applied, sinks and window concatenated), attended in fp64. Stores are written by kvquant's
+own ``AquaKVCache``, on real K/V of stories260k and on random K/V in SmolLM2's and Llama-3's shapes
+(RoPE tables from transformers' own rotary module), so layouts, codes and RoPE tables are the real ones.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers as T
+from conftest import require_kernels_cpu
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+import kernels_cpu
+from kvquant import get_method
+from kvquant.attention import capture_attention_inputs
+from kvquant.cache import KVGeometry
+from kvquant.errors import InvalidParameterError
+from kvquant.methods.aquakv.cache import AquaKVCache, AquaKVLayer
+from kvquant.quant.higgs import Higgs
+
+# fp32 sums over up to ~1000 keys and a 1024-point rotation, against fp64 over the torch path's own
+# fp32 reconstruction: measured differences are below 2e-6 on outputs of magnitude 1-3.
+RTOL, ATOL = 1e-4, 2e-5
+
+
+@pytest.fixture(scope="session")
+def built() -> None:
+    require_kernels_cpu()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def reference(q, k, v, mask=None, scaling=None) -> torch.Tensor:
+    """fp64 attention with GQA as transformers' repeat_kv; rows that see no key give 0."""
+    g = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(g, dim=1)
+    v = v.double().repeat_interleave(g, dim=1)
+    s = (q.double() @ k.mT) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.nan_to_num(s.softmax(dim=-1), nan=0.0) @ v
+
+
+def padded_causal(batch: int, q_len: int, length: int, pads: list[int]) -> torch.Tensor:
+    """Bool ``[B, 1, q_len, L]``: query i sees keys ``t <= L - q_len + i`` that are not left padding."""
+    t = torch.arange(length)
+    causal = t[None, :] <= (length - q_len + torch.arange(q_len))[:, None]
+    return (causal[None] & (t[None, :] >= torch.tensor(pads)[:, None])[:, None, :])[:, None]
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL)
+
+
+def higgs_cache(kv_heads: int, head_dim: int, bits: int, group: int, sink: int, window: int) -> AquaKVCache:
+    """One higgs layer in a cache whose RoPE is transformers' Llama rotary module for this head dim."""
+    config = T.LlamaConfig(
+        hidden_size=2 * kv_heads * head_dim,
+        num_attention_heads=2 * kv_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        num_hidden_layers=1,
+    )
+    quant = Higgs(kv_heads * head_dim, bits, group)
+    return AquaKVCache([AquaKVLayer(0, quant, None, None, sink, window)], LlamaRotaryEmbedding(config), None)
+
+
+# (batch, q heads, kv heads, head_dim, bits, group, sink, window, prefill, decode steps):
+# SmolLM2 (3 x 64 = 192 = 12 x 16: the Paley factor), Llama-3 (8 x 128: one 1024 group), 4 groups of
+# 1024 (32 x 128), groups of 2 heads, head dim 8 (stories260k's) with a group per head, 6-bit codes
+# whose groups start off an 8-code boundary (40 = 20 x 2; 5 groups of 8), no sinks, no window,
+# nothing coded yet, tails (L mod 64 != 0), MQA.
+CASES = [
+    (1, 9, 3, 64, 2, 1024, 4, 128, 600, 3),
+    (2, 9, 3, 64, 3, 1024, 4, 16, 100, 2),
+    (2, 8, 2, 128, 4, 1024, 4, 32, 200, 1),
+    (1, 32, 8, 128, 2, 1024, 4, 128, 300, 2),
+    (2, 64, 32, 128, 2, 1024, 4, 8, 40, 1),
+    (1, 12, 6, 64, 2, 128, 4, 16, 90, 2),
+    (2, 6, 3, 8, 2, 8, 4, 8, 40, 2),
+    (2, 10, 5, 8, 3, 40, 0, 8, 70, 3),
+    (1, 10, 5, 8, 3, 8, 2, 0, 30, 2),
+    (2, 4, 2, 48, 4, 48, 4, 16, 10, 1),
+    (2, 4, 1, 64, 2, 1024, 4, 16, 1000, 1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_kernel_matches_the_torch_path(built, threads, case):
+    b, hq, hkv, d, bits, group, sink, window, prefill, steps = case
+    torch.manual_seed(prefill + bits)
+    cache = higgs_cache(hkv, d, bits, group, sink, window)
+    shift = torch.linspace(-1, 1, d)  # keys with a per-channel offset, as real keys have
+    k, v = cache.update(torch.randn(b, hkv, prefill, d) + shift, torch.randn(b, hkv, prefill, d), 0)
+    for _ in range(steps):
+        k, v = cache.update(torch.randn(b, hkv, 1, d) + shift, torch.randn(b, hkv, 1, d), 0)
+    layer, length = cache.layers[0], k.shape[2]
+    assert (layer.n_codes > 0) == (prefill + steps > sink + window)
+    args = kernels_cpu.higgs_tensors(layer)
+    for q_len in (1, 4):
+        q = torch.randn(b, hq, q_len, d)
+        mask = padded_causal(b, q_len, length, [min(5 * i, length - q_len) for i in range(b)])
+        assert_close(kernels_cpu.attend_higgs(q, **args, mask=mask), reference(q, k, v, mask))
+    q = torch.randn(b, hq, 3, d)
+    causal = padded_causal(b, 3, length, [0] * b)
+    out = kernels_cpu.attend_higgs(q, **args, causal=True, scaling=0.3)
+    assert_close(out, reference(q, k, v, causal, scaling=0.3))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_kernel_matches_the_torch_path_on_stories260k(built, stories, bits):
+    """Real K/V and queries (a left-padded batch of two prompts): at the prefill (q_len > 1) and at
+    every decode step, each layer's kernel output equals attention over what the torch path handed
+    the model."""
+    model, tok = stories
+    prompts = ["Once upon a time, there was a little girl named Lily who", "The cat sat"]
+    rows = [tok(p, return_tensors="pt").input_ids[0] for p in prompts]
+    n = max(len(r) for r in rows)
+    pads = [n - len(r) for r in rows]
+    ids = torch.stack([torch.cat([torch.zeros(p, dtype=torch.long), r]) for p, r in zip(pads, rows, strict=True)])
+    attn = (torch.arange(n)[None] >= torch.tensor(pads)[:, None]).long()
+    method = get_method("higgs", bits=bits, window=4)
+    cache = method.new_cache(model)
+    for step in range(4):
+        with capture_attention_inputs(model) as calls, torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attn, past_key_values=cache, use_cache=True).logits
+        ids = logits[:, -1].argmax(-1, keepdim=True)
+        attn = torch.cat([attn, torch.ones(2, 1, dtype=torch.long)], dim=1)
+        for layer, call in zip(cache.layers, calls, strict=True):
+            assert layer.n_codes > 0
+            q, k, v = call["query"], call["key"], call["value"]
+            mask = padded_causal(2, q.shape[2], k.shape[2], pads)
+            out = kernels_cpu.attend_higgs(q, **kernels_cpu.higgs_tensors(layer), mask=mask, scaling=call["scaling"])
+            assert_close(out, reference(q, k, v, mask, scaling=call["scaling"]))
+        assert step > 0 or calls[0]["query"].shape[2] == n
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("bits", [2, 4])
+def test_backend_cpu_follows_the_torch_path(built, stories, bits):
+    """``backend=cpu`` attends over the codes as stored: teacher-forced along the torch path's greedy
+    tokens the mean KL between the two is below 1e-6 (fp32 summation order only: the codes are the
+    same), its own greedy run first differs (if ever) at a near-tie, what is stored and read is
+    counted the same, and beam search (a reorder every step) runs."""
+    from test_kivi import beam_search_runs
+
+    from kvquant.eval.fidelity import first_flip_is_near_tie, greedy_decode, kl_divergence
+
+    model, tok = stories
+    ids = tok("Once upon a time, a little fox", return_tensors="pt").input_ids[0]
+    runs, routed_before = {}, model.config._attn_implementation
+    for backend in ("torch", "cpu"):
+        method = get_method("higgs", bits=bits, window=16, backend=backend)
+        with method.attach(model):
+            cache = method.new_cache(model)
+            free = greedy_decode(model, ids, cache, 40)
+            forced_cache = method.new_cache(model)
+            forced = greedy_decode(model, ids, forced_cache, 40, forced=runs["torch"][0].tokens if runs else None)
+            runs[backend] = (free, forced, cache)
+        assert cache.backend == backend and model.config._attn_implementation == routed_before
+    (free_t, _, cache_t), (free_c, forced_c, cache_c) = runs["torch"], runs["cpu"]
+    assert cache_c.layers[0].n_codes > 0
+    assert kl_divergence(free_t.logprobs, forced_c.logprobs).mean() < 1e-6
+    assert first_flip_is_near_tie(free_t.tokens, free_t.logprobs, free_c.tokens)
+    assert cache_c.stats() == cache_t.stats()
+    with get_method("higgs", window=8, backend="cpu").attach(model) as routed:
+        beam_search_runs(routed, tok, get_method("higgs", window=8, backend="cpu"))
+
+
+def sliding_model():
+    """A tiny random Mistral whose layers slide (what the kernel does not read)."""
+    config = T.MistralConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=32,
+    )
+    return T.MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
+def test_models_the_kernel_cannot_run_are_refused_or_fall_back(built, backend, capsys):
+    """Sliding windows: ``cpu`` is one line of error, ``auto`` the torch path with one warning line."""
+    model = sliding_model()
+    method = get_method("higgs", backend=backend)
+    if backend == "cpu":
+        with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model: .*sliding-window"):
+            method.new_cache(model)
+        return
+    assert method.new_cache(model).backend == "torch"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend=auto uses torch" in err[0] and "sliding-window" in err[0]
+
+
+def test_groups_that_split_a_head_and_aquakv_have_no_kernel(built, stories):
+    """A group that is not a whole number of heads, and AQUA-KV's residual codes: one line each."""
+    model, _ = stories
+    with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model: .*groups of 4 channels"):
+        get_method("higgs", group=4, backend="cpu").new_cache(model)
+    with pytest.raises(InvalidParameterError, match="backend=cpu cannot run here: .*no kernel for the 'aquakv'"):
+        get_method("aquakv", backend="cpu").new_cache(model)
+    assert get_method("higgs").new_cache(model).backend == "torch"
+
+
+def test_bad_arguments_raise_one_line(built):
+    cache = higgs_cache(2, 8, 2, 16, 4, 4)
+    cache.update(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8), 0)
+    args = kernels_cpu.higgs_tensors(cache.layers[0])
+    q = torch.randn(1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="not a multiple of head_dim"):
+        kernels_cpu.attend_higgs(q, **{**args, "group": 12})
+    with pytest.raises(RuntimeError, match="k_codes must be uint8"):
+        kernels_cpu.attend_higgs(q, **{**args, "k_codes": args["k_codes"][..., :-1]})
+    with pytest.raises(RuntimeError, match="or none of them"):
+        kernels_cpu.attend_higgs(q, **{**args, "cos": None})
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        kernels_cpu.attend_higgs(torch.randn(1, 3, 1, 8), **args)
+    layer = SimpleNamespace(pred_k=object(), pred_v=None)
+    with pytest.raises(ValueError, match="predictor residual"):
+        kernels_cpu.higgs_tensors(layer)
+
+
+def test_geometry_of_the_shipped_models_is_read_whole(stories):
+    """stories260k (4 x 8 channels) and SmolLM2 (3 x 64) each code one group of whole heads."""
+    model, _ = stories
+    geometry = KVGeometry.of(model.config)
+    quant = get_method("higgs").quantizers(geometry)[2]
+    assert quant.group % geometry.head_dim == 0 and quant.outer.shape == (1, 1)
+    smol = Higgs(3 * 64, 2)
+    assert smol.group == 192 and smol.outer.shape == (12, 12) and smol.padded_group == 192
