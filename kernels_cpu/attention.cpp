@@ -356,7 +356,8 @@ int64_t packed_bytes(int64_t n, int bits) {  // kvquant.quant.bitpack.packed_siz
 }  // namespace kvq
 
 at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_scales, const Opt& v_codes,
-                        const Opt& v_scales, const Opt& cos, const Opt& sin, const Opt& k_sinks, const Opt& v_sinks,
+                        const Opt& v_scales, const Opt& cos, const Opt& sin, const Opt& positions,
+                        const Opt& inv_freq, double rope_scale, const Opt& k_sinks, const Opt& v_sinks,
                         const at::Tensor& k_recent, const at::Tensor& v_recent, const at::Tensor& grid,
                         const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits, int64_t group,
                         const Opt& mask, bool causal, double scaling) {
@@ -385,9 +386,11 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
   a.grid = floats(grid, "grid", {int64_t(1) << code_bits, 2});
   const int64_t groups = (Hkv * D + group - 1) / group;
   const bool coded = k_codes.has_value();
+  const bool tables = cos.has_value() || sin.has_value();
   TORCH_CHECK(coded == k_scales.has_value() && coded == v_codes.has_value() && coded == v_scales.has_value() &&
-                  coded == cos.has_value() && coded == sin.has_value(),
-              "higgs: give codes, scales and cos/sin for keys and values, or none of them");
+                  (!coded || tables != positions.has_value()) && tables == (cos.has_value() && sin.has_value()) &&
+                  positions.has_value() == inv_freq.has_value() && (coded || !(tables || positions.has_value())),
+              "higgs: give codes and scales for keys and values with cos/sin or positions/inv_freq, or none of them");
   if (coded) {
     const int64_t nbytes = packed_bytes(groups * a.P / 2, a.bits);
     a.nc = k_codes->size(1);
@@ -413,17 +416,28 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
     a.vs = half_ptr(*v_scales);
     a.vsb = v_scales->stride(0);
     a.vst = v_scales->stride(1);
-    for (const auto& [t, name] : {std::pair{&*cos, "cos"}, std::pair{&*sin, "sin"}})
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == B && t->size(1) == a.nc &&
-                      t->size(2) == D && t->stride(2) == 1,
-                  "higgs: ", name, " must be float32 [", B, ", ", a.nc, ", ", D, "] with a contiguous last dim, got ",
-                  t->scalar_type(), " ", t->sizes());
-    a.cos = cos->data_ptr<float>();
-    a.cb = cos->stride(0);
-    a.ct = cos->stride(1);
-    a.sin = sin->data_ptr<float>();
-    a.sb = sin->stride(0);
-    a.st = sin->stride(1);
+    if (tables) {
+      for (const auto& [t, name] : {std::pair{&*cos, "cos"}, std::pair{&*sin, "sin"}})
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == B && t->size(1) == a.nc &&
+                        t->size(2) == D && t->stride(2) == 1,
+                    "higgs: ", name, " must be float32 [", B, ", ", a.nc, ", ", D,
+                    "] with a contiguous last dim, got ", t->scalar_type(), " ", t->sizes());
+      a.cos = cos->data_ptr<float>();
+      a.cb = cos->stride(0);
+      a.ct = cos->stride(1);
+      a.sin = sin->data_ptr<float>();
+      a.sb = sin->stride(0);
+      a.st = sin->stride(1);
+    } else {
+      const at::Tensor& p = *positions;
+      TORCH_CHECK(p.scalar_type() == at::kInt && p.dim() == 2 && p.size(0) == B && p.size(1) == a.nc,
+                  "higgs: positions must be int32 [", B, ", ", a.nc, "], got ", p.scalar_type(), " ", p.sizes());
+      a.pos = p.data_ptr<int32_t>();
+      a.pb = p.stride(0);
+      a.pt = p.stride(1);
+      a.inv_freq = floats(*inv_freq, "inv_freq", {D / 2});
+      a.rope_scale = float(rope_scale);
+    }
   }
   TORCH_CHECK(k_sinks.has_value() == v_sinks.has_value(), "higgs: give key and value sinks, or neither");
   if (k_sinks.has_value()) {

@@ -7,7 +7,9 @@
 // for all of its heads:
 // - keys (stored before RoPE): per token, grid lookup, the inverse rotation of the group (fast
 //   transform on the S_p axis, the dense H_m mix), signs, scale and RoPE in one pass into the small
-//   per-head key buffer the driver's dot_rows reads; nothing else is written;
+//   per-head key buffer the driver's dot_rows reads; nothing else is written. RoPE's cos/sin come
+//   from the position (a vector sincos per token, 4 bytes read) where the rotary module is that
+//   formula, else from the tables the torch path uses (8*D bytes per token);
 // - values: the rotation is linear, so sum_t p_t v_t = signs * H (sum_t p_t s_t y_t) / sqrt(P):
 //   each row accumulates p*s*y in the rotated domain (P floats) and the inverse rotation runs once
 //   per query row after the chunks are merged, never per token.
@@ -194,6 +196,59 @@ struct HiggsPlan {
   }
 };
 
+// cos and sin of 16 fp32 angles: Cody-Waite reduction by pi/2 with FMAs (exact steps for any
+// angle a position reaches), then the Cephes minimax polynomials on [-pi/4, pi/4] (about 1 ulp).
+#if KVQ_AVX512
+inline void sincos16(__m512 x, __m512& s, __m512& c) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.636619772367581343f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.5703125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(4.837512969970703125e-4f), r);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(7.54978995489188216e-8f), r);
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 ps = _mm512_fmadd_ps(_mm512_set1_ps(-1.9515295891e-4f), z, _mm512_set1_ps(8.3321608736e-3f));
+  ps = _mm512_fmadd_ps(ps, z, _mm512_set1_ps(-1.6666654611e-1f));
+  ps = _mm512_fmadd_ps(_mm512_mul_ps(ps, z), r, r);
+  __m512 pc = _mm512_fmadd_ps(_mm512_set1_ps(2.443315711809948e-5f), z, _mm512_set1_ps(-1.388731625493765e-3f));
+  pc = _mm512_fmadd_ps(pc, z, _mm512_set1_ps(4.166664568298827e-2f));
+  pc = _mm512_fmadd_ps(_mm512_mul_ps(pc, z), z, _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
+  const __m512i q = _mm512_cvtps_epi32(n), one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+  const __mmask16 swap = _mm512_test_epi32_mask(q, one);
+  const __mmask16 neg_s = _mm512_test_epi32_mask(q, two);
+  const __mmask16 neg_c = _mm512_test_epi32_mask(_mm512_add_epi32(q, one), two);
+  const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
+  const __m512 s0 = _mm512_mask_blend_ps(swap, ps, pc), c0 = _mm512_mask_blend_ps(swap, pc, ps);
+  s = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(s0), neg_s, _mm512_castps_si512(s0), sign));
+  c = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(c0), neg_c, _mm512_castps_si512(c0), sign));
+}
+#endif
+
+// The RoPE row of one position, as transformers' rotary modules compute it: angle_j = position *
+// inv_freq_j (one fp32 product), both halves of cos/sin equal, times the attention scaling.
+inline void rope_row(int32_t position, const float* inv_freq, float scale, int D, float* cs, float* sn) {
+  const int h = D / 2;
+  const float x = float(position);
+  int j = 0;
+#if KVQ_AVX512
+  for (; j < h; j += W) {
+    const mk m = lanes(h - j);
+    __m512 s, c;
+    sincos16(_mm512_mul_ps(_mm512_set1_ps(x), _mm512_maskz_loadu_ps(m, inv_freq + j)), s, c);
+    s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+    c = _mm512_mul_ps(c, _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(cs + j, m, c);
+    _mm512_mask_storeu_ps(cs + h + j, m, c);
+    _mm512_mask_storeu_ps(sn + j, m, s);
+    _mm512_mask_storeu_ps(sn + h + j, m, s);
+  }
+#endif
+  for (; j < h; ++j) {
+    const float angle = x * inv_freq[j];
+    cs[j] = cs[j + h] = std::cos(angle) * scale;
+    sn[j] = sn[j + h] = std::sin(angle) * scale;
+  }
+}
+
 // Post-RoPE key of one head from its rotated-back channels g (before signs and scale): dst[0, D),
 // lanes up to NC*W zeroed for dot_rows.
 inline void rope_key(const float* g, const float* sg, float scale, const float* cs, const float* sn, int D, int width,
@@ -216,6 +271,7 @@ void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows
   alignas(64) float d[NRMAX * BT];
   alignas(64) float acc[NRMAX * DMAX];
   alignas(64) float buf[SB * NCW];
+  alignas(64) float cbuf[DMAX], sbuf[DMAX];
   float m[NRMAX], l[NRMAX], sc[SB];
   const int D = P.D, PP = a.P, half = PP / 2, ns = int(spans.size());
   const int64_t b = tile.b, gi = tile.gi, code0 = a.ns, code1 = a.ns + a.nc;
@@ -247,8 +303,14 @@ void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows
           lookup<BITS>(a.kc + b * a.kcb + ci * a.kct, gi * half, half, a.grid, y.data());
           rotate_back(y.data(), tmp.data(), rot);
           const float scale = half_to_float(a.ks[b * a.ksb + ci * a.kst + gi]) * inv_sqrt;
-          const float* cs = a.cos + b * a.cb + ci * a.ct;
-          const float* sn = a.sin + b * a.sb + ci * a.st;
+          const float* cs = cbuf;
+          const float* sn = sbuf;
+          if (a.pos != nullptr) {
+            rope_row(a.pos[b * a.pb + ci * a.pt], a.inv_freq, a.rope_scale, D, cbuf, sbuf);
+          } else {
+            cs = a.cos + b * a.cb + ci * a.ct;
+            sn = a.sin + b * a.sb + ci * a.st;
+          }
           for (int h = 0; h < ns; ++h) {
             const int c0 = spans[h].hl * D;
             rope_key(y.data() + c0, a.signs + c0, scale, cs, sn, D, NCW, keys.data() + (h * SB + j) * NCW);

@@ -327,6 +327,9 @@ def attend_higgs(
     outer: torch.Tensor,
     code_bits: int,
     group: int,
+    positions: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+    rope_scale: float = 1.0,
     mask: torch.Tensor | None = None,
     scaling: float | None = None,
     causal: bool = False,
@@ -334,11 +337,13 @@ def attend_higgs(
     """Attention over a HIGGS store: fp16 sinks, then the coded tokens, then the fp16 recent window.
 
     Codes ``k_codes``/``v_codes`` uint8 ``[B, n, bytes]`` (``kvquant.quant.bitpack``, ``code_bits`` per
-    code, over the whole row of Hkv·D channels) and fp16 scales ``[B, n, groups]``, keys stored before
-    RoPE with ``cos``/``sin`` fp32 ``[B, n, D]`` to re-apply it; sinks and window fp16 ``[B, Hkv, *, D]``
-    after RoPE. The quantizer: ``grid`` ``[2^code_bits, 2]``, ``signs`` ``[P]``, the dense Hadamard factor
+    code, over the whole row of Hkv·D channels) and fp16 scales ``[B, n, groups]``; keys are coded
+    before RoPE, which is re-applied with ``cos``/``sin`` fp32 ``[B, n, D]`` or, with those None, computed
+    per token as transformers' rotary modules do, ``cos/sin(positions · inv_freq) · rope_scale`` (int32
+    ``positions`` ``[B, n]``, ``inv_freq`` ``[D/2]``). Sinks and window: fp16 ``[B, Hkv, *, D]`` after
+    RoPE. The quantizer: ``grid`` ``[2^code_bits, 2]``, ``signs`` ``[P]``, the dense Hadamard factor
     ``outer`` ``[m, m]`` (P = m·2^k), ``group`` channels per scale (a multiple of D). Nothing coded yet:
-    codes, scales and cos/sin None. ``higgs_tensors(layer)`` gives all of these.
+    codes, scales and RoPE inputs None. ``higgs_tensors(layer)`` gives all of these.
     """
     q32 = _query(q)
     length = k_recent.shape[-2] + (0 if k_codes is None else k_codes.shape[1])
@@ -351,6 +356,9 @@ def attend_higgs(
         v_scales,
         cos,
         sin,
+        positions,
+        inv_freq,
+        float(rope_scale),
         k_sinks,
         v_sinks,
         k_recent,
@@ -375,14 +383,14 @@ def higgs_tensors(layer: Any) -> dict[str, Any]:
     if layer.pred_k is not None or layer.pred_v is not None:
         raise ValueError("kernels_cpu: HIGGS codes of a predictor residual (AQUA-KV) are not supported")
     quant, qk, qv = layer.quant, layer.qk, layer.qv
-    cos, sin = layer.coded_rope()
     return {
         "k_codes": None if qk is None else qk.codes,
         "k_scales": None if qk is None else qk.scales,
         "v_codes": None if qv is None else qv.codes,
         "v_scales": None if qv is None else qv.scales,
-        "cos": cos,
-        "sin": sin,
+        "cos": None,
+        "sin": None,
+        **layer.kernel_rope(),
         "k_sinks": layer.k_win.sinks,
         "v_sinks": layer.v_win.sinks,
         "k_recent": layer.k_win.recent,

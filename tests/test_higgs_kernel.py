@@ -110,14 +110,56 @@ def test_kernel_matches_the_torch_path(built, threads, case):
     layer, length = cache.layers[0], k.shape[2]
     assert (layer.n_codes > 0) == (prefill + steps > sink + window)
     args = kernels_cpu.higgs_tensors(layer)
+    routes = [args]
+    if layer.n_codes:  # RoPE from the positions (transformers' Llama module is the formula), and from tables
+        assert args["positions"] is not None and args["cos"] is None
+        cos, sin = cache.quantized_rope(0, layer.code_lo, layer.n_codes)
+        routes.append({**args, "positions": None, "inv_freq": None, "cos": cos, "sin": sin})
     for q_len in (1, 4):
         q = torch.randn(b, hq, q_len, d)
         mask = padded_causal(b, q_len, length, [min(5 * i, length - q_len) for i in range(b)])
-        assert_close(kernels_cpu.attend_higgs(q, **args, mask=mask), reference(q, k, v, mask))
+        for route in routes:
+            assert_close(kernels_cpu.attend_higgs(q, **route, mask=mask), reference(q, k, v, mask))
     q = torch.randn(b, hq, 3, d)
     causal = padded_causal(b, 3, length, [0] * b)
     out = kernels_cpu.attend_higgs(q, **args, causal=True, scaling=0.3)
     assert_close(out, reference(q, k, v, causal, scaling=0.3))
+
+
+@pytest.mark.parametrize("start", [0, 100_000, 3_000_000])
+def test_rope_from_positions_holds_at_large_positions(built, start):
+    """cos/sin computed in the kernel from far positions (angles up to 3e6 rad) match the module's tables."""
+    torch.manual_seed(5)
+    cache = higgs_cache(2, 64, 2, 1024, 4, 8)
+    b, n = 2, 200
+    positions = start + torch.arange(n).expand(b, n) + torch.tensor([[0], [7]])
+    k, v = cache.update(torch.randn(b, 2, n, 64), torch.randn(b, 2, n, 64), 0, {"position_ids": positions})
+    args = kernels_cpu.higgs_tensors(cache.layers[0])
+    assert torch.equal(args["positions"], positions[:, 4:-8].int())
+    q = torch.randn(b, 4, 1, 64)
+    assert_close(kernels_cpu.attend_higgs(q, **args), reference(q, k, v))
+
+
+def test_rope_tables_are_read_where_the_module_is_not_the_formula(built):
+    """A rotary module that computes otherwise (here: scaled positions) is not taken for the formula:
+    the kernel reads this step's tables, and still equals the torch path."""
+
+    class Stretched(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, position_ids):
+            return self.inner(x, position_ids * 2)
+
+    torch.manual_seed(6)
+    plain = higgs_cache(3, 64, 2, 1024, 4, 8)
+    cache = AquaKVCache(plain.layers, Stretched(plain.rotary), None)
+    k, v = cache.update(torch.randn(1, 3, 100, 64), torch.randn(1, 3, 100, 64), 0)
+    args = kernels_cpu.higgs_tensors(cache.layers[0])
+    assert cache.rope_formula(0) is None and args["cos"] is not None and "positions" not in args
+    q = torch.randn(1, 9, 1, 64)
+    assert_close(kernels_cpu.attend_higgs(q, **args), reference(q, k, v))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -229,7 +271,7 @@ def test_bad_arguments_raise_one_line(built):
     with pytest.raises(RuntimeError, match="k_codes must be uint8"):
         kernels_cpu.attend_higgs(q, **{**args, "k_codes": args["k_codes"][..., :-1]})
     with pytest.raises(RuntimeError, match="or none of them"):
-        kernels_cpu.attend_higgs(q, **{**args, "cos": None})
+        kernels_cpu.attend_higgs(q, **{**args, "positions": None, "inv_freq": None})
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         kernels_cpu.attend_higgs(torch.randn(1, 3, 1, 8), **args)
     layer = SimpleNamespace(pred_k=object(), pred_v=None)

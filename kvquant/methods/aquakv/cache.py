@@ -222,7 +222,10 @@ class AquaKVLayer(KVLayer):
         Nothing is reconstructed: no layer predicts from this one."""
         if leaving_k is not None:
             self.code(leaving_k, leaving_v, start, None)
-        self._step_rope = self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes) if self.qk else None
+        needs_tables = self.qk is not None and self.owner.rope_formula(self.layer_idx) is None
+        self._step_rope = (
+            self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes) if needs_tables else None
+        )
         self._count_reads(self.n_sinks + self.n_recent)
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
@@ -233,14 +236,22 @@ class AquaKVLayer(KVLayer):
             tagged_placeholder(self, shape, key_states.dtype, key_states.device),
         )
 
-    def coded_rope(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """fp32 cos/sin ``[B, n_codes, D]`` of the coded tokens (None before any): what a kernel re-applies
-        RoPE to the pre-RoPE keys with; this step's tables, shared by the layers, once ``update`` ran."""
+    def kernel_rope(self) -> dict[str, Any]:
+        """How a kernel re-applies RoPE to the coded (pre-RoPE) keys: their int32 ``positions`` with the
+        rotary module's ``inv_freq`` and ``rope_scale`` where its tables are that formula
+        (``AquaKVCache.rope_formula``), else this step's fp32 ``cos``/``sin`` tables; {} before any code."""
         if self.qk is None:
-            return None, None
-        if self._step_rope is not None:
-            return self._step_rope
-        return self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes)
+            return {}
+        formula = self.owner.rope_formula(self.layer_idx)
+        if formula is not None:
+            lo = self.code_lo - self.owner.pos_lo
+            return {
+                "positions": self.owner.positions[:, lo : lo + self.n_codes],
+                "inv_freq": formula[0],
+                "rope_scale": formula[1],
+            }
+        cos, sin = self._step_rope or self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes)
+        return {"cos": cos, "sin": sin}
 
     def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
         """Attention over the stored codes, sinks and window by the backend's kernel (``kvquant.attention``)."""
@@ -346,6 +357,7 @@ class AquaKVCache(KVCache):
         self._handoff: dict[int, Rows] = {}
         self._rope: dict[tuple[str | None, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_checked = False
+        self._formula: tuple[torch.Tensor, float] | None | bool = False  # False: not looked at yet
 
     def map_shared(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-first map to the per-row state the layers share (positions, hand-off, cos/sin)."""
@@ -378,6 +390,32 @@ class AquaKVCache(KVCache):
         if not (torch.allclose(mine_cos, cos.float(), atol=tol) and torch.allclose(mine_sin, sin.float(), atol=tol)):
             raise KvquantError("aquakv: the cos/sin the model handed the cache differ from its rotary embedding's")
         self._rope_checked = True
+
+    def rope_formula(self, layer_idx: int) -> tuple[torch.Tensor, float] | None:
+        """``(inv_freq, scaling)`` when layer ``layer_idx``'s tables are ``cos/sin(position · inv_freq) ·
+        scaling`` as transformers' static rotary modules compute them (checked once against the module
+        at spread-out positions), else None (dynamic or per-layer-type RoPE, another module): then a
+        kernel reads the tables instead of computing them from the positions."""
+        if self._formula is False:
+            self._formula = self._find_formula()
+        return self._formula if self.rope_types[layer_idx] is None else None
+
+    def _find_formula(self) -> tuple[torch.Tensor, float] | None:
+        inv, scale = getattr(self.rotary, "inv_freq", None), getattr(self.rotary, "attention_scaling", None)
+        kind = str(getattr(self.rotary, "rope_type", "default"))
+        if not isinstance(inv, torch.Tensor) or not isinstance(scale, (int, float)) or "dynamic" in kind:
+            return None
+        if kind == "longrope" or inv.dim() != 1:
+            return None
+        inv = inv.detach().float().contiguous()
+        pos = torch.tensor([[0, 1, 2, 3, 17, 255, 1000, 4097, 32767]], dtype=torch.int32, device=inv.device)
+        cos, sin = rope_tables(self.rotary, pos)
+        angle = pos[..., None].float() * inv
+        angle = torch.cat([angle, angle], dim=-1)
+        if cos.shape != angle.shape:
+            return None
+        close = torch.allclose(cos, angle.cos() * scale, rtol=0, atol=1e-6)
+        return (inv, float(scale)) if close and torch.allclose(sin, angle.sin() * scale, rtol=0, atol=1e-6) else None
 
     def tables(self, layer_idx: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of tokens ``[start, start + n)`` for layer ``layer_idx``'s RoPE."""
