@@ -190,6 +190,25 @@ def test_kernel_matches_the_torch_path_on_stories260k(built, stories, bits):
         assert step > 0 or calls[0]["query"].shape[2] == n
 
 
+@pytest.mark.slow
+def test_kernel_matches_the_torch_path_on_smollm2(built, smollm2):
+    """SmolLM2's real K/V (3 KV heads x 64 = one 192-channel group, 12 x 16: the Paley factor): at the
+    prefill and two decode steps every layer's kernel output equals attention over the torch path's."""
+    model, tok = smollm2
+    ids = tok("The quick brown fox jumps over the lazy dog because", return_tensors="pt").input_ids
+    cache = get_method("higgs", window=4).new_cache(model)
+    for _ in range(3):
+        with capture_attention_inputs(model) as calls, torch.no_grad():
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        ids = logits[:, -1:].argmax(-1)
+        for layer, call in zip(cache.layers, calls, strict=True):
+            q, k, v = call["query"], call["key"], call["value"]
+            causal = padded_causal(1, q.shape[2], k.shape[2], [0])
+            args = kernels_cpu.higgs_tensors(layer)
+            out = kernels_cpu.attend_higgs(q, **args, causal=q.shape[2] > 1, scaling=call["scaling"])
+            assert_close(out, reference(q, k, v, causal, scaling=call["scaling"]))
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("bits", [2, 4])
 def test_backend_cpu_follows_the_torch_path(built, stories, bits):
@@ -220,6 +239,23 @@ def test_backend_cpu_follows_the_torch_path(built, stories, bits):
     assert cache_c.stats() == cache_t.stats()
     with get_method("higgs", window=8, backend="cpu").attach(model) as routed:
         beam_search_runs(routed, tok, get_method("higgs", window=8, backend="cpu"))
+
+
+@pytest.mark.parametrize("layout", ["llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "gemma3"])
+def test_backend_cpu_on_every_layout(built, layout):
+    """The tiny random models of ``test_architectures``: on full-attention layouts the kernel's greedy
+    run equals the torch path's (logits to fp32 accuracy); sliding or soft-capped ones are refused."""
+    from test_architectures import run, tiny
+
+    if layout in ("mistral", "gemma2", "gemma3"):
+        with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model"):
+            get_method("higgs", backend="cpu").new_cache(tiny(layout))
+        return
+    tokens_t, logits_t, cache_t = run(layout, "higgs")
+    tokens_c, logits_c, cache_c = run(layout, "higgs", backend="cpu")
+    assert cache_c.backend == "cpu" and cache_c.layers[0].n_codes > 0
+    assert torch.equal(tokens_c, tokens_t) and cache_c.stats() == cache_t.stats()
+    torch.testing.assert_close(logits_c, logits_t, atol=1e-4, rtol=1e-4)
 
 
 def sliding_model():
