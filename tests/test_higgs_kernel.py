@@ -82,9 +82,10 @@ def higgs_cache(kv_heads: int, head_dim: int, bits: int, group: int, sink: int, 
 # SmolLM2 (3 x 64 = 192 = 12 x 16: the Paley factor), Llama-3 (8 x 128: one 1024 group), 4 groups of
 # 1024 (32 x 128), groups of 2 heads, head dim 8 (stories260k's) with a group per head, 6-bit codes
 # whose groups start off an 8-code boundary (40 = 20 x 2; 5 groups of 8), no sinks, no window,
-# nothing coded yet, tails (L mod 64 != 0), MQA.
+# nothing coded yet, tails (L mod 64 != 0), MQA; the first and last long enough that two threads split
+# the keys into chunks merged by log-sum-exp.
 CASES = [
-    (1, 9, 3, 64, 2, 1024, 4, 128, 600, 3),
+    (1, 9, 3, 64, 2, 1024, 4, 128, 9000, 3),
     (2, 9, 3, 64, 3, 1024, 4, 16, 100, 2),
     (2, 8, 2, 128, 4, 1024, 4, 32, 200, 1),
     (1, 32, 8, 128, 2, 1024, 4, 128, 300, 2),
@@ -94,7 +95,7 @@ CASES = [
     (2, 10, 5, 8, 3, 40, 0, 8, 70, 3),
     (1, 10, 5, 8, 3, 8, 2, 0, 30, 2),
     (2, 4, 2, 48, 4, 48, 4, 16, 10, 1),
-    (2, 4, 1, 64, 2, 1024, 4, 16, 1000, 1),
+    (2, 4, 1, 64, 2, 1024, 4, 16, 5000, 1),
 ]
 
 
@@ -287,14 +288,20 @@ def test_models_the_kernel_cannot_run_are_refused_or_fall_back(built, backend, c
     assert len(err) == 1 and "backend=auto uses torch" in err[0] and "sliding-window" in err[0]
 
 
-def test_groups_that_split_a_head_and_aquakv_have_no_kernel(built, stories):
-    """A group that is not a whole number of heads, and AQUA-KV's residual codes: one line each."""
+def test_groups_that_split_a_head_and_aquakv_have_no_kernel(built, stories, capsys):
+    """A group that is not a whole number of heads, and AQUA-KV's residual codes: one line of error
+    each on ``cpu``; AQUA-KV on ``auto`` reads with torch after one warning line."""
     model, _ = stories
     with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model: .*groups of 4 channels"):
         get_method("higgs", group=4, backend="cpu").new_cache(model)
     with pytest.raises(InvalidParameterError, match="backend=cpu cannot run here: .*no kernel for the 'aquakv'"):
         get_method("aquakv", backend="cpu").new_cache(model)
     assert get_method("higgs").new_cache(model).backend == "torch"
+    method = get_method("aquakv", backend="auto")
+    geometry = KVGeometry.of(model.config)
+    assert method.resolve_backend(model, geometry, method.quantizers(geometry)[method.bits]) == "torch"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: backend=auto uses torch for 'aquakv' on cpu")
 
 
 def test_bad_arguments_raise_one_line(built):
