@@ -242,10 +242,12 @@ def test_backend_cpu_follows_the_torch_path(built, stories, bits):
         beam_search_runs(routed, tok, get_method("higgs", window=8, backend="cpu"))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("layout", ["llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "gemma3"])
 def test_backend_cpu_on_every_layout(built, layout):
     """The tiny random models of ``test_architectures``: on full-attention layouts the kernel's greedy
-    run equals the torch path's (logits to fp32 accuracy); sliding or soft-capped ones are refused."""
+    run equals the torch path's (logits within 1e-3, as on stories260k); sliding or soft-capped ones
+    are refused."""
     from test_architectures import run, tiny
 
     if layout in ("mistral", "gemma2", "gemma3"):
@@ -256,7 +258,60 @@ def test_backend_cpu_on_every_layout(built, layout):
     tokens_c, logits_c, cache_c = run(layout, "higgs", backend="cpu")
     assert cache_c.backend == "cpu" and cache_c.layers[0].n_codes > 0
     assert torch.equal(tokens_c, tokens_t) and cache_c.stats() == cache_t.stats()
-    torch.testing.assert_close(logits_c, logits_t, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits_c, logits_t, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.numerics
+def test_left_padded_batch_generates_as_the_torch_path(built, stories):
+    """``generate`` on a left-padded batch of two prompts (per-row positions from the attention mask,
+    the mask handed to the kernel): the same tokens as the torch path and logits within 1e-3 (measured
+    2e-4: K/V computed from slightly different attention outputs may move a code at a rounding
+    boundary, so later logits differ by more than the kernel's own fp32 error)."""
+    model, tok = stories
+    rows = [tok(p, return_tensors="pt").input_ids[0] for p in ("Once upon a time, a little fox saw a", "Tom")]
+    n = max(len(r) for r in rows)
+    ids = torch.stack([torch.cat([torch.zeros(n - len(r), dtype=torch.long), r]) for r in rows])
+    attn = torch.stack([(torch.arange(n) >= n - len(r)).long() for r in rows])
+    outs = {}
+    for backend in ("torch", "cpu"):
+        method = get_method("higgs", window=4, backend=backend)
+        with method.attach(model):
+            cache = method.new_cache(model)
+            out = model.generate(
+                ids,
+                attention_mask=attn,
+                past_key_values=cache,
+                max_new_tokens=12,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        assert cache.backend == backend and cache.layers[0].n_codes > 0
+        outs[backend] = (out.sequences, torch.stack(out.logits))
+    assert torch.equal(outs["cpu"][0], outs["torch"][0])
+    torch.testing.assert_close(outs["cpu"][1], outs["torch"][1], atol=1e-3, rtol=1e-3)
+
+
+def test_float_masks_query_dtype_and_rows_that_see_no_key(built):
+    """An additive float mask (-inf where masked), a row that sees no key (zeros, as SDPA gives), and
+    a bfloat16 query (computed in fp32, returned in bfloat16)."""
+    torch.manual_seed(7)
+    cache = higgs_cache(2, 64, 2, 1024, 4, 8)
+    k, v = cache.update(torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64), 0)
+    args = kernels_cpu.higgs_tensors(cache.layers[0])
+    q = torch.randn(1, 4, 2, 64)
+    allowed = torch.rand(1, 1, 2, 90) > 0.3
+    allowed[..., 1, :] = False
+    bias = torch.randn(1, 4, 2, 90).masked_fill(~allowed, float("-inf"))
+    out = kernels_cpu.attend_higgs(q, **args, mask=bias)
+    assert torch.all(out[:, :, 1] == 0)
+    kk, vv = k.double().repeat_interleave(2, dim=1), v.double().repeat_interleave(2, dim=1)
+    p = torch.nan_to_num((q.double() @ kk.mT * 64**-0.5 + bias.double()).softmax(-1), nan=0.0)
+    assert_close(out, p @ vv)
+    out16 = kernels_cpu.attend_higgs(q.bfloat16(), **args, mask=allowed)
+    assert out16.dtype == torch.bfloat16
+    ref16 = reference(q.bfloat16().float(), k, v, allowed)
+    torch.testing.assert_close(out16.double(), ref16, rtol=1e-2, atol=1e-2)
 
 
 def sliding_model():
