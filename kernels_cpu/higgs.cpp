@@ -382,43 +382,40 @@ void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows
   }
 }
 
-// Chunk partials -> rows of out [B, Hq, Q, D]: log-sum-exp merge of both accumulators, then the
-// rotated one rotated back once per row (signs, 1/sqrt(P)) and its head's channels added.
-void merge_rows(const HiggsArgs& a, const Problem& P, const HiggsPlan& plan, const std::vector<float>& part, float* o) {
+// One tile's chunk partials (nchunk of them, stride apart) -> its rows of out [B, Hq, Q, D]:
+// log-sum-exp merge of both accumulators, then the rotated one rotated back once per row (signs,
+// 1/sqrt(P)) and its head's channels added.
+void finish_tile(const HiggsArgs& a, const Problem& P, const HiggsPlan& plan, const Tile& t, const float* part,
+                 float* o) {
   const int D = P.D, PP = a.P, row = 2 + D + PP;
   const Rotation rot{a.outer, a.m, a.p, PP};
   const float inv_sqrt = 1.0f / std::sqrt(float(PP));
-  const int64_t items = int64_t(plan.tiles.size());
-#pragma omp parallel for schedule(static) num_threads(plan.threads)
-  for (int64_t item = 0; item < items; ++item) {
-    const Tile& t = plan.tiles[item];
-    std::vector<float> u(PP), tmp(PP);
-    const int64_t qh0 = t.gi * plan.hpg * P.g;
-    for (int r = 0; r < t.n; ++r) {
-      const int64_t rr = t.r0 + r, qh = qh0 + rr / P.Q, i = rr % P.Q;
-      float* dst = o + ((t.b * P.Hq + qh) * P.Q + i) * D;
-      std::fill(dst, dst + D, 0.0f);
-      float mx = NEG_INF;
-      for (int64_t c = 0; c < plan.nchunk; ++c) mx = std::max(mx, part[(item * plan.nchunk + c) * plan.stride + r * row]);
-      if (mx == NEG_INF) continue;  // a row that sees no key: zeros
-      std::fill(u.begin(), u.end(), 0.0f);
-      float denom = 0.0f;
-      for (int64_t c = 0; c < plan.nchunk; ++c) {
-        const float* src = part.data() + (item * plan.nchunk + c) * plan.stride + r * row;
-        if (src[0] == NEG_INF) continue;
-        const float wgt = std::exp(src[0] - mx);
-        denom += wgt * src[1];
-        for (int x = 0; x < D; ++x) dst[x] += wgt * src[2 + x];
-        for (int x = 0; x < PP; ++x) u[x] += wgt * src[2 + D + x];
-      }
-      const float inv = 1.0f / denom;
-      if (a.nc > 0) {
-        rotate_back(u.data(), tmp.data(), rot);
-        const int c0 = int(qh / P.g - t.gi * plan.hpg) * D;
-        for (int x = 0; x < D; ++x) dst[x] = (dst[x] + u[c0 + x] * a.signs[c0 + x] * inv_sqrt) * inv;
-      } else {
-        for (int x = 0; x < D; ++x) dst[x] *= inv;
-      }
+  std::vector<float> u(PP), tmp(PP);
+  const int64_t qh0 = t.gi * plan.hpg * P.g;
+  for (int r = 0; r < t.n; ++r) {
+    const int64_t rr = t.r0 + r, qh = qh0 + rr / P.Q, i = rr % P.Q;
+    float* dst = o + ((t.b * P.Hq + qh) * P.Q + i) * D;
+    std::fill(dst, dst + D, 0.0f);
+    float mx = NEG_INF;
+    for (int64_t c = 0; c < plan.nchunk; ++c) mx = std::max(mx, part[c * plan.stride + r * row]);
+    if (mx == NEG_INF) continue;  // a row that sees no key: zeros
+    std::fill(u.begin(), u.end(), 0.0f);
+    float denom = 0.0f;
+    for (int64_t c = 0; c < plan.nchunk; ++c) {
+      const float* src = part + c * plan.stride + r * row;
+      if (src[0] == NEG_INF) continue;
+      const float wgt = std::exp(src[0] - mx);
+      denom += wgt * src[1];
+      for (int x = 0; x < D; ++x) dst[x] += wgt * src[2 + x];
+      for (int x = 0; x < PP; ++x) u[x] += wgt * src[2 + D + x];
+    }
+    const float inv = 1.0f / denom;
+    if (a.nc > 0) {
+      rotate_back(u.data(), tmp.data(), rot);
+      const int c0 = int(qh / P.g - t.gi * plan.hpg) * D;
+      for (int x = 0; x < D; ++x) dst[x] = (dst[x] + u[c0 + x] * a.signs[c0 + x] * inv_sqrt) * inv;
+    } else {
+      for (int x = 0; x < D; ++x) dst[x] *= inv;
     }
   }
 }
@@ -426,18 +423,30 @@ void merge_rows(const HiggsArgs& a, const Problem& P, const HiggsPlan& plan, con
 template <int NC, int BITS>
 at::Tensor attend_higgs_impl(const HiggsArgs& a, const Problem& P) {
   const HiggsPlan plan(a, P);
-  const int64_t work = int64_t(plan.tiles.size()) * plan.nchunk;
-  std::vector<float> part(size_t(work * plan.stride));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(plan.threads)
-  for (int64_t w = 0; w < work; ++w) {
-    const int64_t item = w / plan.nchunk, c = w % plan.nchunk;
+  const int64_t items = int64_t(plan.tiles.size()), work = items * plan.nchunk;
+  auto out = at::empty({P.B, P.Hq, P.Q, int64_t(P.D)}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  auto tile = [&](int64_t item, int64_t c, float* dst) {
     std::vector<HeadSpan> spans;
     const Rows R = plan.rows(P, plan.tiles[item], spans);
     const int64_t tb = c * plan.chunk_len, te = std::min(P.L, tb + plan.chunk_len);
-    run_tile<NC, BITS>(a, P, plan.tiles[item], R, spans, tb, te, part.data() + w * plan.stride);
+    run_tile<NC, BITS>(a, P, plan.tiles[item], R, spans, tb, te, dst);
+  };
+  if (plan.nchunk == 1) {  // many tiles (a long prompt): each finished as it is done, no partials kept
+#pragma omp parallel for schedule(dynamic, 1) num_threads(plan.threads)
+    for (int64_t item = 0; item < items; ++item) {
+      std::vector<float> part(size_t(plan.stride));
+      tile(item, 0, part.data());
+      finish_tile(a, P, plan, plan.tiles[item], part.data(), o);
+    }
+    return out;
   }
-  auto out = at::empty({P.B, P.Hq, P.Q, int64_t(P.D)}, at::kFloat);
-  merge_rows(a, P, plan, part, out.data_ptr<float>());
+  std::vector<float> part(size_t(work * plan.stride));  // few tiles: their key chunks spread over threads
+#pragma omp parallel for schedule(dynamic, 1) num_threads(plan.threads)
+  for (int64_t w = 0; w < work; ++w) tile(w / plan.nchunk, w % plan.nchunk, part.data() + w * plan.stride);
+#pragma omp parallel for schedule(static) num_threads(plan.threads)
+  for (int64_t item = 0; item < items; ++item)
+    finish_tile(a, P, plan, plan.tiles[item], part.data() + item * plan.nchunk * plan.stride, o);
   return out;
 }
 
