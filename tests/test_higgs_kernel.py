@@ -82,8 +82,8 @@ def higgs_cache(kv_heads: int, head_dim: int, bits: int, group: int, sink: int, 
 # SmolLM2 (3 x 64 = 192 = 12 x 16: the Paley factor), Llama-3 (8 x 128: one 1024 group), 4 groups of
 # 1024 (32 x 128), groups of 2 heads, head dim 8 (stories260k's) with a group per head, 6-bit codes
 # whose groups start off an 8-code boundary (40 = 20 x 2; 5 groups of 8), no sinks, no window,
-# nothing coded yet, tails (L mod 64 != 0), MQA; the first and last long enough that two threads split
-# the keys into chunks merged by log-sum-exp.
+# nothing coded yet, a group zero-padded to 128 (5 x 20 = 100 channels), tails (L mod 64 != 0), MQA;
+# 9000 and 5000 tokens: long enough that two threads split the keys into chunks merged by log-sum-exp.
 CASES = [
     (1, 9, 3, 64, 2, 1024, 4, 128, 9000, 3),
     (2, 9, 3, 64, 3, 1024, 4, 16, 100, 2),
@@ -95,6 +95,7 @@ CASES = [
     (2, 10, 5, 8, 3, 40, 0, 8, 70, 3),
     (1, 10, 5, 8, 3, 8, 2, 0, 30, 2),
     (2, 4, 2, 48, 4, 48, 4, 16, 10, 1),
+    (2, 10, 5, 20, 2, 1024, 4, 8, 77, 1),
     (2, 4, 1, 64, 2, 1024, 4, 16, 5000, 1),
 ]
 
