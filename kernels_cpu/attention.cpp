@@ -442,7 +442,8 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
   TORCH_CHECK(k_sinks.has_value() == v_sinks.has_value(), "higgs: give key and value sinks, or neither");
   if (k_sinks.has_value()) {
     a.ns = k_sinks->size(2);
-    TORCH_CHECK(v_sinks->dim() == 4 && v_sinks->size(2) == a.ns, "higgs: key and value sinks must hold the same tokens");
+    TORCH_CHECK(v_sinks->dim() == 4 && v_sinks->size(2) == a.ns,
+                "higgs: key and value sinks must hold the same tokens");
     a.sink_k = half4(*k_sinks, "k_sinks", B, Hkv, D);
     a.sink_v = half4(*v_sinks, "v_sinks", B, Hkv, D);
   }

@@ -43,8 +43,8 @@ inline __m256i codes8(const uint8_t* row, int64_t k) {
   } else if constexpr (BITS == 4) {
     uint32_t w;
     std::memcpy(&w, row + k / 2, 4);
-    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(w)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-                            _mm256_set1_epi32(15));
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(w)), shifts), _mm256_set1_epi32(15));
   } else {
     uint64_t w = 0;
     std::memcpy(&w, row + k / 4 * 3, 6);
@@ -286,10 +286,13 @@ void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows
     std::fill(acc + r * DMAX, acc + r * DMAX + NCW, 0.0f);
   }
   // The three parts along the keys: fp16 sinks [0, code0), codes [code0, code1), fp16 recent [code1, L).
-  auto piece = [&](int64_t t, int k) -> int { return int(t < code0 ? std::min<int64_t>(k, code0 - t) : t < code1 ? std::min<int64_t>(k, code1 - t) : k); };
-  auto fp16_part = [&](int64_t t, bool keys_) -> std::pair<const Half4*, int64_t> {
-    if (t < code0) return {keys_ ? &a.sink_k : &a.sink_v, t};
-    return {keys_ ? &a.recent_k : &a.recent_v, t - code1};
+  auto piece = [&](int64_t t, int k) -> int {  // at most k keys from t on, all in t's part
+    if (t < code0) return int(std::min<int64_t>(k, code0 - t));
+    return t < code1 ? int(std::min<int64_t>(k, code1 - t)) : k;
+  };
+  auto fp16_part = [&](int64_t t, bool key) -> std::pair<const Half4*, int64_t> {
+    if (t < code0) return {key ? &a.sink_k : &a.sink_v, t};
+    return {key ? &a.recent_k : &a.recent_v, t - code1};
   };
   for (int64_t t0 = tb; t0 < te; t0 += BT) {
     const int n = int(std::min<int64_t>(BT, te - t0));
