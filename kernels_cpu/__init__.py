@@ -1,4 +1,4 @@
-"""Fused C++ CPU attention over kvquant's stored K/V formats (fp16, KIVI, GEAR, AlignedKV planes), built once
+"""Fused C++ CPU attention over kvquant's stored K/V formats (fp16, KIVI, GEAR, AlignedKV planes, HIGGS), built once
 into the user cache.
 
 ``python -m kernels_cpu build`` compiles them (``make setup`` does); afterwards importing this
@@ -14,10 +14,12 @@ from kernels_cpu.loader import Status, build, build_dir, status
 from kernels_cpu.ops import (
     attend_fp16,
     attend_gear,
+    attend_higgs,
     attend_kivi,
     attend_planes,
     exponent_gaps,
     gear_tensors,
+    higgs_tensors,
     kivi_tensors,
     plane_tensors,
     read_plane_keys,
@@ -27,12 +29,14 @@ __all__ = [
     "Status",
     "attend_fp16",
     "attend_gear",
+    "attend_higgs",
     "attend_kivi",
     "attend_planes",
     "exponent_gaps",
     "build",
     "build_dir",
     "gear_tensors",
+    "higgs_tensors",
     "kivi_tensors",
     "plane_tensors",
     "read_plane_keys",

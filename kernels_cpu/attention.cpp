@@ -1,7 +1,10 @@
-// Python bindings: argument checks, then the format's kernel (fp16.cpp, kivi.cpp, gear.cpp, planes.cpp;
+// Python bindings: argument checks, then the format's kernel (fp16.cpp, kivi.cpp, gear.cpp, planes.cpp, higgs.cpp;
 // driver in kernels.h).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor casters without all of torch/extension.h
+
+#include <numeric>
+#include <tuple>
 
 #include "kernels.h"
 
@@ -336,7 +339,124 @@ at::Tensor attend_gear(const at::Tensor& q, const Opt& k_codes, const Opt& k_sca
   return gear_attention(k, v, int(group_size), int(bits), P);
 }
 
+namespace kvq {
+
+// A float32 tensor of the given shape with contiguous storage.
+const float* floats(const at::Tensor& t, const char* name, std::vector<int64_t> shape) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == at::IntArrayRef(shape) && t.is_contiguous(), name,
+              " must be a contiguous float32 tensor of shape ", shape, ", got ", t.scalar_type(), " ", t.sizes());
+  return t.data_ptr<float>();
+}
+
+int64_t packed_bytes(int64_t n, int bits) {  // kvquant.quant.bitpack.packed_size
+  const int per = 8 / std::gcd(bits, 8);
+  return (n + per - 1) / per * (bits * per / 8);
+}
+
+}  // namespace kvq
+
+at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_scales, const Opt& v_codes,
+                        const Opt& v_scales, const Opt& cos, const Opt& sin, const Opt& positions,
+                        const Opt& inv_freq, double rope_scale, const Opt& k_sinks, const Opt& v_sinks,
+                        const at::Tensor& k_recent, const at::Tensor& v_recent, const at::Tensor& grid,
+                        const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits, int64_t group,
+                        const Opt& mask, bool causal, double scaling) {
+  using namespace kvq;
+  TORCH_CHECK(code_bits == 4 || code_bits == 6 || code_bits == 8, "higgs: code_bits must be 4, 6 or 8, got ",
+              code_bits);
+  TORCH_CHECK(k_recent.dim() == 4 && v_recent.dim() == 4, "higgs: recent windows must be [B, Hkv, T, D]");
+  const int64_t B = q.size(0), Hkv = k_recent.size(1), D = q.size(3);
+  TORCH_CHECK(D % 2 == 0, "higgs: RoPE needs an even head_dim, got ", D);
+  TORCH_CHECK(group >= 1 && group % D == 0, "higgs: the kernel needs groups of whole heads: group ", group,
+              " is not a multiple of head_dim ", D);
+  HiggsArgs a;
+  a.bits = int(code_bits);
+  a.group = int(group);
+  a.heads_per_group = group / D;
+  TORCH_CHECK(signs.dim() == 1, "higgs: signs must be [P]");
+  a.P = int(signs.size(0));
+  a.signs = floats(signs, "signs", {a.P});
+  TORCH_CHECK(outer.dim() == 2, "higgs: outer must be [m, m]");
+  a.m = int(outer.size(0));
+  a.outer = floats(outer, "outer", {a.m, a.m});
+  TORCH_CHECK(a.P >= group && a.P % a.m == 0 && a.P % 2 == 0, "higgs: padded group ", a.P, " must be even, >= group ",
+              group, " and a multiple of the outer factor's order ", a.m);
+  a.p = a.P / a.m;
+  TORCH_CHECK((a.p & (a.p - 1)) == 0, "higgs: P / m = ", a.p, " must be a power of two");
+  a.grid = floats(grid, "grid", {int64_t(1) << code_bits, 2});
+  const int64_t groups = (Hkv * D + group - 1) / group;
+  const bool coded = k_codes.has_value();
+  const bool tables = cos.has_value() || sin.has_value();
+  TORCH_CHECK(coded == k_scales.has_value() && coded == v_codes.has_value() && coded == v_scales.has_value() &&
+                  (!coded || tables != positions.has_value()) && tables == (cos.has_value() && sin.has_value()) &&
+                  positions.has_value() == inv_freq.has_value() && (coded || !(tables || positions.has_value())),
+              "higgs: give codes and scales for keys and values with cos/sin or positions/inv_freq, or none of them");
+  if (coded) {
+    const int64_t nbytes = packed_bytes(groups * a.P / 2, a.bits);
+    a.nc = k_codes->size(1);
+    for (const auto& [c, s, name] : {std::tuple{&*k_codes, &*k_scales, "k"}, std::tuple{&*v_codes, &*v_scales, "v"}}) {
+      TORCH_CHECK(c->scalar_type() == at::kByte && c->dim() == 3 && c->size(0) == B && c->size(1) == a.nc &&
+                      c->size(2) == nbytes && c->stride(2) == 1,
+                  "higgs: ", name, "_codes must be uint8 [", B, ", ", a.nc, ", ", nbytes,
+                  "] with a contiguous last dim, got ", c->scalar_type(), " ", c->sizes());
+      TORCH_CHECK(s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == B && s->size(1) == a.nc &&
+                      s->size(2) == groups && s->stride(2) == 1,
+                  "higgs: ", name, "_scales must be float16 [", B, ", ", a.nc, ", ", groups,
+                  "] with a contiguous last dim, got ", s->scalar_type(), " ", s->sizes());
+    }
+    a.kc = k_codes->data_ptr<uint8_t>();
+    a.kcb = k_codes->stride(0);
+    a.kct = k_codes->stride(1);
+    a.vc = v_codes->data_ptr<uint8_t>();
+    a.vcb = v_codes->stride(0);
+    a.vct = v_codes->stride(1);
+    a.ks = half_ptr(*k_scales);
+    a.ksb = k_scales->stride(0);
+    a.kst = k_scales->stride(1);
+    a.vs = half_ptr(*v_scales);
+    a.vsb = v_scales->stride(0);
+    a.vst = v_scales->stride(1);
+    if (tables) {
+      for (const auto& [t, name] : {std::pair{&*cos, "cos"}, std::pair{&*sin, "sin"}})
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == B && t->size(1) == a.nc &&
+                        t->size(2) == D && t->stride(2) == 1,
+                    "higgs: ", name, " must be float32 [", B, ", ", a.nc, ", ", D,
+                    "] with a contiguous last dim, got ", t->scalar_type(), " ", t->sizes());
+      a.cos = cos->data_ptr<float>();
+      a.cb = cos->stride(0);
+      a.ct = cos->stride(1);
+      a.sin = sin->data_ptr<float>();
+      a.sb = sin->stride(0);
+      a.st = sin->stride(1);
+    } else {
+      const at::Tensor& p = *positions;
+      TORCH_CHECK(p.scalar_type() == at::kInt && p.dim() == 2 && p.size(0) == B && p.size(1) == a.nc,
+                  "higgs: positions must be int32 [", B, ", ", a.nc, "], got ", p.scalar_type(), " ", p.sizes());
+      a.pos = p.data_ptr<int32_t>();
+      a.pb = p.stride(0);
+      a.pt = p.stride(1);
+      a.inv_freq = floats(*inv_freq, "inv_freq", {D / 2});
+      a.rope_scale = float(rope_scale);
+    }
+  }
+  TORCH_CHECK(k_sinks.has_value() == v_sinks.has_value(), "higgs: give key and value sinks, or neither");
+  if (k_sinks.has_value()) {
+    a.ns = k_sinks->size(2);
+    TORCH_CHECK(v_sinks->dim() == 4 && v_sinks->size(2) == a.ns,
+                "higgs: key and value sinks must hold the same tokens");
+    a.sink_k = half4(*k_sinks, "k_sinks", B, Hkv, D);
+    a.sink_v = half4(*v_sinks, "v_sinks", B, Hkv, D);
+  }
+  a.nr = k_recent.size(2);
+  TORCH_CHECK(v_recent.size(2) == a.nr, "higgs: key and value windows must hold the same tokens");
+  a.recent_k = half4(k_recent, "k_recent", B, Hkv, D);
+  a.recent_v = half4(v_recent, "v_recent", B, Hkv, D);
+  Problem P = problem(q, Hkv, a.ns + a.nc + a.nr, mask, causal, scaling);
+  return higgs_attention(a, P);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_higgs", &attend_higgs, "fused attention over a HIGGS store (codes, sinks, recent window)");
   m.def("attend_fp16", &attend_fp16, "fused attention over fp16 K/V");
   m.def("attend_kivi", &attend_kivi, "fused attention over a KIVI store");
   m.def("attend_gear", &attend_gear, "fused attention over a GEAR store");

@@ -5,4 +5,6 @@ from __future__ import annotations
 from kernels_cpu.loader import status
 from kvquant.backends import Backend, register_backend
 
-register_backend(Backend("cpu", "cpu", frozenset({"fp16", "kivi", "gear", "planes"}), status, "kernels_cpu.ops"))
+FORMATS = frozenset({"fp16", "kivi", "gear", "planes", "higgs"})
+
+register_backend(Backend("cpu", "cpu", FORMATS, status, "kernels_cpu.ops"))

@@ -590,6 +590,32 @@ struct PlaneArgs {
   Half4 tail_k, tail_v;
 };
 
+// A HIGGS store (the higgs method's AquaKVLayer): per token, codes over the whole row of Hkv*D
+// channels, kc/vc [B, n, bytes] uint8 (kvquant.quant.bitpack, `bits` per code, two grid coordinates
+// per code), fp16 scales ks/vs [B, n, groups]; the keys' RoPE tables cos/sin [B, n, D] fp32, or the
+// positions [B, n] they are cos/sin(position * inv_freq) * rope_scale of (computed per token); the fp16
+// sinks (positions before the codes) and recent window (after them) [B, Hkv, *, D], keys after RoPE.
+// Groups of `group` channels (heads_per_group whole heads) are padded to P = m * p and rotated by
+// kron(outer [m, m], S_p) / sqrt(P) after the random signs [P]; grid [2^bits, 2] fp32.
+struct HiggsArgs {
+  const uint8_t *kc = nullptr, *vc = nullptr;
+  int64_t kcb = 0, kct = 0, vcb = 0, vct = 0;
+  const uint16_t *ks = nullptr, *vs = nullptr;
+  int64_t ksb = 0, kst = 0, vsb = 0, vst = 0;
+  const float *cos = nullptr, *sin = nullptr;
+  int64_t cb = 0, ct = 0, sb = 0, st = 0;
+  const int32_t* pos = nullptr;  // or the tables' inputs: positions [B, n], inv_freq [D/2], scaling
+  int64_t pb = 0, pt = 0;
+  const float* inv_freq = nullptr;
+  float rope_scale = 1.0f;
+  int64_t nc = 0, ns = 0, nr = 0;  // coded, sink and recent tokens
+  Half4 sink_k, sink_v, recent_k, recent_v;
+  const float *grid = nullptr, *signs = nullptr, *outer = nullptr;
+  int bits = 4, m = 1, p = 1, P = 1, group = 1;
+  int64_t heads_per_group = 1;
+};
+
+at::Tensor higgs_attention(const HiggsArgs& a, const Problem& P);
 at::Tensor fp16_attention(const Half4& k, const Half4& v, int keep_bits, const Problem& P);
 at::Tensor planes_attention(const PlaneArgs& a, const Problem& P);
 at::Tensor planes_read_keys(const PlaneArgs& a, int64_t B, int64_t H, int D);

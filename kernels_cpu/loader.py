@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("attention.cpp", "fp16.cpp", "kivi.cpp", "gear.cpp", "planes.cpp")
+SOURCES = ("attention.cpp", "fp16.cpp", "kivi.cpp", "gear.cpp", "planes.cpp", "higgs.cpp")
 HEADERS = ("simd.h", "bits.h", "kernels.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)

@@ -307,3 +307,97 @@ def gear_tensors(layer: Any) -> dict[str, Any]:
         args[f"{name}_value"] = store.value
         args[f"{name}_runs"] = [(run.start, run.seg_len, run.a, run.b) for run in store.runs]
     return args
+
+
+def attend_higgs(
+    q: torch.Tensor,
+    k_codes: torch.Tensor | None,
+    k_scales: torch.Tensor | None,
+    v_codes: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    k_sinks: torch.Tensor | None,
+    v_sinks: torch.Tensor | None,
+    k_recent: torch.Tensor,
+    v_recent: torch.Tensor,
+    *,
+    grid: torch.Tensor,
+    signs: torch.Tensor,
+    outer: torch.Tensor,
+    code_bits: int,
+    group: int,
+    positions: torch.Tensor | None = None,
+    inv_freq: torch.Tensor | None = None,
+    rope_scale: float = 1.0,
+    mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Attention over a HIGGS store: fp16 sinks, then the coded tokens, then the fp16 recent window.
+
+    Codes ``k_codes``/``v_codes`` uint8 ``[B, n, bytes]`` (``kvquant.quant.bitpack``, ``code_bits`` per
+    code, over the whole row of Hkv·D channels) and fp16 scales ``[B, n, groups]``; keys are coded
+    before RoPE, which is re-applied with ``cos``/``sin`` fp32 ``[B, n, D]`` or, with those None, computed
+    per token as transformers' rotary modules do, ``cos/sin(positions · inv_freq) · rope_scale`` (int32
+    ``positions`` ``[B, n]``, ``inv_freq`` ``[D/2]``). Sinks and window: fp16 ``[B, Hkv, *, D]`` after
+    RoPE. The quantizer: ``grid`` ``[2^code_bits, 2]``, ``signs`` ``[P]``, the dense Hadamard factor
+    ``outer`` ``[m, m]`` (P = m·2^k), ``group`` channels per scale (a multiple of D). Nothing coded yet:
+    codes, scales and RoPE inputs None. ``higgs_tensors(layer)`` gives all of these.
+    """
+    q32 = _query(q)
+    length = k_recent.shape[-2] + (0 if k_codes is None else k_codes.shape[1])
+    length += 0 if k_sinks is None else k_sinks.shape[-2]
+    out = module().attend_higgs(
+        q32,
+        k_codes,
+        k_scales,
+        v_codes,
+        v_scales,
+        cos,
+        sin,
+        positions,
+        inv_freq,
+        float(rope_scale),
+        k_sinks,
+        v_sinks,
+        k_recent,
+        v_recent,
+        grid,
+        signs,
+        outer,
+        int(code_bits),
+        int(group),
+        _mask(mask, q32, length),
+        causal,
+        _scaling(scaling, q),
+    )
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def higgs_tensors(layer: Any) -> dict[str, Any]:
+    """``attend_higgs``' store arguments from a higgs ``AquaKVLayer`` (duck-typed; full-attention layers).
+
+    AQUA-KV's codes are of a predictor's residual, which this kernel does not add back: refused.
+    """
+    if layer.pred_k is not None or layer.pred_v is not None:
+        raise ValueError("kernels_cpu: HIGGS codes of a predictor residual (AQUA-KV) are not supported")
+    quant, qk, qv = layer.quant, layer.qk, layer.qv
+    return {
+        "k_codes": None if qk is None else qk.codes,
+        "k_scales": None if qk is None else qk.scales,
+        "v_codes": None if qv is None else qv.codes,
+        "v_scales": None if qv is None else qv.scales,
+        "cos": None,
+        "sin": None,
+        **layer.kernel_rope(),
+        "k_sinks": layer.k_win.sinks,
+        "v_sinks": layer.v_win.sinks,
+        "k_recent": layer.k_win.recent,
+        "v_recent": layer.v_win.recent,
+        "grid": quant.grid,
+        "signs": quant.signs,
+        "outer": quant.outer,
+        "code_bits": quant.code_bits,
+        "group": quant.group,
+    }

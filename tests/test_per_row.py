@@ -67,7 +67,7 @@ def run(model, tok, method, batch_size: int):
     return engine, texts, lls, scores
 
 
-KERNELS = ["fp16@cpu", "kivi2@cpu", "gear2@cpu", "alignedkv@cpu", "truncation@cpu"]
+KERNELS = ["fp16@cpu", "kivi2@cpu", "gear2@cpu", "alignedkv@cpu", "truncation@cpu", "higgs@cpu"]
 
 
 @pytest.mark.parametrize("name", method_names() + KERNELS)

@@ -15,12 +15,12 @@ def test_kernels_give_the_torch_paths_tokens_and_bits(tmp_path):
         "experiment.prompts=2",
         "experiment.prompt_tokens=160",
         "experiment.new_tokens=12",
-        "experiment.methods=[fp16,truncation,kivi2,higgs]",
+        "experiment.methods=[fp16,truncation,kivi2,higgs,aquakv]",
         env={"OMP_NUM_THREADS": "1"},
     )
     table = read_table(fig / "table_backends.csv")
-    assert list(table.method) == ["fp16", "truncation", "kivi2", "higgs"]
-    ran = table[table.method != "higgs"].set_index("method")
+    assert list(table.method) == ["fp16", "truncation", "kivi2", "higgs", "aquakv"]
+    ran = table[table.method != "aquakv"].set_index("method")
     assert (ran.prompts == 2).all() and (ran.bits_read_torch == ran.bits_read_kernel).all()
     assert (
         (ran.decode_ratio > 0).all()
@@ -29,7 +29,7 @@ def test_kernels_give_the_torch_paths_tokens_and_bits(tmp_path):
     )
     # methods that keep fp16 values differ, if at all, only at near-ties; KIVI's codes may flip (module docstring)
     assert ran.all_first_differences_near_ties["fp16"] and ran.all_first_differences_near_ties["truncation"]
-    assert "backend" in table.set_index("method").reason["higgs"]  # higgs has no backend parameter
+    assert "no kernel for the 'aquakv' format" in table.set_index("method").reason["aquakv"]  # torch only
     results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
     check_agrees(table, results["table"], "table_backends")
     assert results["experiment"]["backend"] == "cpu"

@@ -102,6 +102,13 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     return torch.kron(paley(m), sylvester(p)) if m > 1 else sylvester(p)
 
 
+def outer_factor(n: int) -> torch.Tensor:
+    """The dense factor ``H_m`` of ``hadamard_matrix(n) = kron(H_m, sylvester(n // m))`` (``[[1.]]`` for a
+    power of two): what a kernel running the fast transform on the ``2^k`` axis mixes blocks with."""
+    m, _ = _factor_or_raise(n)
+    return paley(m).clone() if m > 1 else torch.ones(1, 1)
+
+
 def _factor_or_raise(n: int) -> tuple[int, int]:
     f = factor(n)
     if f is None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kvquant.errors import InvalidParameterError
 from kvquant.quant import bitpack
 from kvquant.quant.grids import GRID_FILE, PRESETS, load_grid, nearest
-from kvquant.quant.hadamard import hadamard_transform, supported_size
+from kvquant.quant.hadamard import hadamard_transform, outer_factor, supported_size
 
 MAX_GROUP = 1024
 SIGN_SEED = 0x5EED
@@ -74,6 +74,7 @@ class Higgs:
         self.grid = load_grid(self.d, self.n, grid_file)
         gen = torch.Generator().manual_seed(SIGN_SEED)
         self.signs = torch.randint(0, 2, (self.padded_group,), generator=gen).float() * 2 - 1
+        self.outer = outer_factor(self.padded_group)  # kron(outer, sylvester): the rotation, for kernels
 
     def describe(self) -> dict:
         """Identity of the quantizer (what predictor files are keyed by)."""

@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from kvquant.attention import tagged_placeholder
+from kvquant.backends import get_backend
 from kvquant.cache import KVCache, KVLayer, nbytes, to_fp16_checked, whole_bit_widths
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.aquakv.predictors import Predictors, dequantize_pair, encode_pair, from_rows, to_rows
@@ -103,9 +105,10 @@ class AquaKVLayer(KVLayer):
         sink: int,
         recent: int,
         window: int | None = None,
+        backend: str = "torch",
     ):
         super().__init__(layer_idx, window)
-        self.quant, self.pred_k, self.pred_v = quant, pred_k, pred_v
+        self.quant, self.pred_k, self.pred_v, self.backend = quant, pred_k, pred_v, backend
         self.sink, self.recent = sink, recent  # fp16 tokens: first ``sink`` and newest ``recent``
         self.horizon, self.early = window, False
         self.owner: AquaKVCache | None = None
@@ -117,6 +120,7 @@ class AquaKVLayer(KVLayer):
         self.qv: HiggsTensor | None = None
         self.n_quant = self.code_lo = self.sink_lo = 0  # tokens coded so far; first code / sink position held
         self.n_heads = self.head_dim = 0
+        self._step_rope: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
     def reset(self) -> None:
         super().reset()
@@ -169,6 +173,7 @@ class AquaKVLayer(KVLayer):
         self.k_win.map(fn)
         self.v_win.map(fn)
         self.qk, self.qv = map_higgs(self.qk, fn), map_higgs(self.qv, fn)
+        self._step_rope = None
         if self.owner is not None and self.layer_idx == 0:
             self.owner.map_shared(fn)
 
@@ -193,6 +198,8 @@ class AquaKVLayer(KVLayer):
 
         m = 0 if leaving_k is None else leaving_k.shape[-2]
         start = self.seen - self.n_recent - m  # position of the first token leaving the window
+        if self.backend != "torch":
+            return self._update_for_kernel(leaving_k, leaving_v, start, key_states)
         lo = self.code_lo if self.qk is not None else start
         hi = start + m if m else lo + self.n_codes
         prev = self.owner.previous(self.layer_idx, lo, hi) if self.needs_previous() and hi > lo else None
@@ -206,6 +213,55 @@ class AquaKVLayer(KVLayer):
         if self.layer_idx == len(self.owner.layers) - 1:
             self.owner.end_forward()
         return out
+
+    def _update_for_kernel(
+        self, leaving_k: torch.Tensor | None, leaving_v: torch.Tensor | None, start: int, key_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Code what leaves the window as the torch path does, count the same reads, and hand attention
+        placeholders that send it to ``attend`` (HIGGS on full-attention layers: ``new_cache`` sees to it).
+        Nothing is reconstructed: no layer predicts from this one."""
+        if leaving_k is not None:
+            self.code(leaving_k, leaving_v, start, None)
+        needs_tables = self.qk is not None and self.owner.rope_formula(self.layer_idx) is None
+        self._step_rope = (
+            self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes) if needs_tables else None
+        )
+        self._count_reads(self.n_sinks + self.n_recent)
+        if self.layer_idx == len(self.owner.layers) - 1:
+            self.owner.end_forward()
+        b, h, _, d = key_states.shape
+        shape = (b, h, self.held_tokens(), d)
+        return (
+            tagged_placeholder(self, shape, key_states.dtype, key_states.device),
+            tagged_placeholder(self, shape, key_states.dtype, key_states.device),
+        )
+
+    def kernel_rope(self) -> dict[str, Any]:
+        """How a kernel re-applies RoPE to the coded (pre-RoPE) keys: their int32 ``positions`` with the
+        rotary module's ``inv_freq`` and ``rope_scale`` where its tables are that formula
+        (``AquaKVCache.rope_formula``), else this step's fp32 ``cos``/``sin`` tables; {} before any code."""
+        if self.qk is None:
+            return {}
+        formula = self.owner.rope_formula(self.layer_idx)
+        if formula is not None:
+            lo = self.code_lo - self.owner.pos_lo
+            return {
+                "positions": self.owner.positions[:, lo : lo + self.n_codes],
+                "inv_freq": formula[0],
+                "rope_scale": formula[1],
+            }
+        cos, sin = self._step_rope or self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes)
+        return {"cos": cos, "sin": sin}
+
+    def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
+        """Attention over the stored codes, sinks and window by the backend's kernel (``kvquant.attention``)."""
+        ops = get_backend(self.backend).ops
+        n = self.held_tokens()
+        mask = attention_mask[..., :n] if attention_mask is not None else None
+        causal = mask is None and query.shape[2] > 1
+        out = ops.attend_higgs(query, **ops.higgs_tensors(self), mask=mask, scaling=scaling, causal=causal)
+        self._step_rope = None
+        return out.transpose(1, 2).contiguous(), None
 
     def _attended(
         self, dtype: torch.dtype, rk: torch.Tensor | None, rv: torch.Tensor | None, before: int
@@ -301,6 +357,7 @@ class AquaKVCache(KVCache):
         self._handoff: dict[int, Rows] = {}
         self._rope: dict[tuple[str | None, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_checked = False
+        self._formula: tuple[torch.Tensor, float] | None | bool = False  # False: not looked at yet
 
     def map_shared(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-first map to the per-row state the layers share (positions, hand-off, cos/sin)."""
@@ -333,6 +390,32 @@ class AquaKVCache(KVCache):
         if not (torch.allclose(mine_cos, cos.float(), atol=tol) and torch.allclose(mine_sin, sin.float(), atol=tol)):
             raise KvquantError("aquakv: the cos/sin the model handed the cache differ from its rotary embedding's")
         self._rope_checked = True
+
+    def rope_formula(self, layer_idx: int) -> tuple[torch.Tensor, float] | None:
+        """``(inv_freq, scaling)`` when layer ``layer_idx``'s tables are ``cos/sin(position · inv_freq) ·
+        scaling`` as transformers' static rotary modules compute them (checked once against the module
+        at spread-out positions), else None (dynamic or per-layer-type RoPE, another module): then a
+        kernel reads the tables instead of computing them from the positions."""
+        if self._formula is False:
+            self._formula = self._find_formula()
+        return self._formula if self.rope_types[layer_idx] is None else None
+
+    def _find_formula(self) -> tuple[torch.Tensor, float] | None:
+        inv, scale = getattr(self.rotary, "inv_freq", None), getattr(self.rotary, "attention_scaling", None)
+        kind = str(getattr(self.rotary, "rope_type", "default"))
+        if not isinstance(inv, torch.Tensor) or not isinstance(scale, (int, float)) or "dynamic" in kind:
+            return None
+        if kind == "longrope" or inv.dim() != 1:
+            return None
+        inv = inv.detach().float().contiguous()
+        pos = torch.tensor([[0, 1, 2, 3, 17, 255, 1000, 4097, 32767]], dtype=torch.int32, device=inv.device)
+        cos, sin = rope_tables(self.rotary, pos)
+        angle = pos[..., None].float() * inv
+        angle = torch.cat([angle, angle], dim=-1)
+        if cos.shape != angle.shape:
+            return None
+        close = torch.allclose(cos, angle.cos() * scale, rtol=0, atol=1e-6)
+        return (inv, float(scale)) if close and torch.allclose(sin, angle.sin() * scale, rtol=0, atol=1e-6) else None
 
     def tables(self, layer_idx: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of tokens ``[start, start + n)`` for layer ``layer_idx``'s RoPE."""

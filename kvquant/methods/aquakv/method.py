@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvquant.attention import resolve_kernels
+from kvquant.backends import check_backend
 from kvquant.cache import KVGeometry, KVLayer
 from kvquant.errors import InvalidParameterError
 from kvquant.methods.aquakv.cache import AquaKVCache, AquaKVLayer, find_rotary
@@ -50,13 +52,16 @@ METHOD_FOR_PREDICT = {"kv": "aquakv", "k": "aquakv_k_only", "v": "aquakv_v_only"
 class HiggsMethod(KVMethod):
     """HIGGS alone: Hadamard rotation + Gaussian-optimal grid per token at ``bits`` (2, 3, 4) with one
     fp16 scale per ``group`` channels; the first ``sink`` and newest ``window`` tokens in fp16; layer 0
-    at ``first_layer_bits`` if set, else ``bits``."""
+    at ``first_layer_bits`` if set, else ``bits``. ``backend``: ``torch`` (the reference: every coded
+    token reconstructed for the model's attention), ``cpu`` (``kernels_cpu.attend_higgs`` attends over
+    the codes as stored) or ``auto``; AQUA-KV (predictors) has the torch path only."""
 
     bits: int = 2
     first_layer_bits: int | None = None
     group: int = GROUP
     sink: int = SINK
     window: int = WINDOW
+    backend: str = "torch"
 
     family: ClassVar[str] = "higgs"
     predict: ClassVar[str] = "none"
@@ -67,6 +72,7 @@ class HiggsMethod(KVMethod):
         return self.name or self.family
 
     def __post_init__(self) -> None:
+        check_backend(self.backend)
         label = f"method {self.label}"
         presets = ", ".join(map(str, PRESETS))
         if self.bits not in PRESETS:
@@ -117,6 +123,24 @@ class HiggsMethod(KVMethod):
     def load_predictors(self, model: Any) -> Predictors | None:
         return None
 
+    @property
+    def kernel_format(self) -> str:
+        """The storage format backends name their kernels by: ``higgs``, or ``aquakv`` (codes of a
+        predictor's residual, which no kernel reads yet)."""
+        return "higgs" if self.predict == "none" else "aquakv"
+
+    def resolve_backend(self, model: Any, geometry: KVGeometry, quant: Higgs) -> str:
+        """The backend this cache reads with (``kvquant.attention.resolve_kernels``): the kernel reads a
+        layer's whole history, groups of whole heads, and applies no logit soft-capping; a model that
+        needs otherwise runs the torch reference (``auto``, one warning line) or is refused (``cpu``)."""
+        missing = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
+        if geometry.sliding_window is not None:
+            missing.append(f"sliding-window layers ({geometry.sliding_window})")
+        d = geometry.head_dim
+        if quant.group % d or d % 2 or d > 256:
+            missing.append(f"groups of {quant.group} channels over heads of {d} (it needs whole heads, even, <= 256)")
+        return resolve_kernels(model, self.backend, self.kernel_format, missing)
+
     def new_layer(self, layer_idx: int, geometry: KVGeometry) -> KVLayer:
         raise NotImplementedError(f"{self.label} layers share state through their cache: use new_cache(model)")
 
@@ -126,15 +150,16 @@ class HiggsMethod(KVMethod):
         note = quants[self.bits].padding_note()
         if note:
             warnings.warn(note, stacklevel=2)
+        backend = self.resolve_backend(model, geometry, quants[self.bits])
         pred = self.load_predictors(model)
         layers = []
         for i in range(geometry.n_layers):
             pk = pred.k.get(i) if pred is not None else None
             pv = pred.v.get(i) if pred is not None else None
             quant, window = quants[self.layer_bits(i)], geometry.window(i)
-            layers.append(AquaKVLayer(i, quant, pk, pv, self.sink, self.window, window))
+            layers.append(AquaKVLayer(i, quant, pk, pv, self.sink, self.window, window, backend))
         cache = AquaKVCache(layers, find_rotary(model), pred, geometry.layer_types)
-        cache.adaptations = self.adaptations(geometry)
+        cache.adaptations, cache.backend = self.adaptations(geometry), backend
         return cache
 
 

@@ -1,0 +1,468 @@
+// HIGGS stores (the higgs method: kvquant.quant.higgs codes in an AquaKVLayer without predictors).
+//
+// A token's codes cover the whole row of Hkv*D channels, cut into groups of `group` channels (each
+// zero-padded to P, rotated by kron(H_m, S_p)/sqrt(P) after random signs, one fp16 scale per group).
+// The rotation mixes every head of a group, so a work item is (batch row, group, tile of the query
+// rows that read the group's KV heads, chunk of keys), and each token's codes are read once per tile
+// for all of its heads:
+// - keys (stored before RoPE): per token, grid lookup, the inverse rotation of the group (fast
+//   transform on the S_p axis, the dense H_m mix), signs, scale and RoPE in one pass into the small
+//   per-head key buffer the driver's dot_rows reads; nothing else is written. RoPE's cos/sin come
+//   from the position (a vector sincos per token, 4 bytes read) where the rotary module is that
+//   formula, else from the tables the torch path uses (8*D bytes per token);
+// - values: the rotation is linear, so sum_t p_t v_t = signs * H (sum_t p_t s_t y_t) / sqrt(P):
+//   each row accumulates p*s*y in the rotated domain (P floats) and the inverse rotation runs once
+//   per query row after the chunks are merged, never per token.
+// The fp16 sinks and recent window are read per head as the fp16 kernel reads them.
+#include "kernels.h"
+
+namespace kvq {
+
+namespace {
+
+// Code k of a row packed by kvquant.quant.bitpack (low bits first; 6-bit codes in 3-byte words of 4).
+template <int BITS>
+inline int code_at(const uint8_t* row, int64_t k) {
+  if constexpr (BITS == 8) {
+    return row[k];
+  } else if constexpr (BITS == 4) {
+    return (row[k >> 1] >> ((k & 1) * 4)) & 15;
+  } else {
+    const uint8_t* w = row + (k >> 2) * 3;
+    const uint32_t word = uint32_t(w[0]) | uint32_t(w[1]) << 8 | uint32_t(w[2]) << 16;
+    return int(word >> ((k & 3) * 6)) & 63;
+  }
+}
+
+#if KVQ_AVX512
+// Codes k .. k+7 (k a multiple of 8, so 6-bit codes start on a word) as int32 lanes; reads only their bytes.
+template <int BITS>
+inline __m256i codes8(const uint8_t* row, int64_t k) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
+  } else if constexpr (BITS == 4) {
+    uint32_t w;
+    std::memcpy(&w, row + k / 2, 4);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(w)), shifts), _mm256_set1_epi32(15));
+  } else {
+    uint64_t w = 0;
+    std::memcpy(&w, row + k / 4 * 3, 6);
+    const int lo = int(w & 0xffffff), hi = int(w >> 24);
+    const __m256i words = _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi);
+    return _mm256_and_si256(_mm256_srlv_epi32(words, _mm256_setr_epi32(0, 6, 12, 18, 0, 6, 12, 18)),
+                            _mm256_set1_epi32(63));
+  }
+}
+#endif
+
+// The grid points of n consecutive codes from code k0 on, as 2n floats (d = 2): a 64-bit gather
+// per 8 codes loads each point's two coordinates in order.
+template <int BITS>
+inline void lookup(const uint8_t* row, int64_t k0, int n, const float* grid, float* y) {
+  int j = 0;
+#if KVQ_AVX512
+  if (k0 % 8 == 0) {
+    const double* pts = reinterpret_cast<const double*>(grid);
+    for (; j + 8 <= n; j += 8)
+      _mm512_storeu_ps(y + 2 * j, _mm512_castpd_ps(_mm512_i32gather_pd(codes8<BITS>(row, k0 + j), pts, 8)));
+  }
+#endif
+  for (; j < n; ++j) {
+    const int c = code_at<BITS>(row, k0 + j);
+    y[2 * j] = grid[2 * c];
+    y[2 * j + 1] = grid[2 * c + 1];
+  }
+}
+
+#if KVQ_AVX512
+// One in-register butterfly stage of stride h < 16: lanes without bit h get x + x[l^h], lanes with it x[l^h] - x.
+template <int H>
+inline __m512 stage(__m512 v) {
+  __m512 p;
+  if constexpr (H == 1) p = _mm512_permute_ps(v, 0xB1);
+  else if constexpr (H == 2) p = _mm512_permute_ps(v, 0x4E);
+  else if constexpr (H == 4) p = _mm512_shuffle_f32x4(v, v, 0xB1);
+  else p = _mm512_shuffle_f32x4(v, v, 0x4E);
+  constexpr __mmask16 high = H == 1 ? 0xAAAA : H == 2 ? 0xCCCC : H == 4 ? 0xF0F0 : 0xFF00;
+  return _mm512_mask_sub_ps(_mm512_add_ps(v, p), high, p, v);
+}
+#endif
+
+// Unnormalised Walsh-Hadamard transform of p (a power of two) floats, Sylvester order (kvquant's fwht).
+inline void fwht(float* x, int p) {
+  int h = 1;
+#if KVQ_AVX512
+  if (p >= W) {
+    for (int i = 0; i < p; i += W) {
+      __m512 v = _mm512_loadu_ps(x + i);
+      v = stage<8>(stage<4>(stage<2>(stage<1>(v))));
+      _mm512_storeu_ps(x + i, v);
+    }
+    h = W;
+  }
+#endif
+  for (; h < p; h *= 2)
+    for (int i = 0; i < p; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
+
+struct Rotation {  // kron(outer [m, m], S_p), P = m * p
+  const float* outer;
+  int m, p, P;
+};
+
+// y <- kron(outer, S_p) y (unnormalised), in place; tmp holds P floats.
+inline void rotate_back(float* y, float* tmp, const Rotation& r) {
+  for (int i = 0; i < r.m; ++i) fwht(y + i * r.p, r.p);
+  if (r.m == 1) return;
+  for (int i = 0; i < r.m; ++i) {
+    float* o = tmp + i * r.p;
+    std::fill(o, o + r.p, 0.0f);
+    for (int j = 0; j < r.m; ++j) {
+      const float c = r.outer[i * r.m + j];
+      const float* x = y + j * r.p;
+      for (int l = 0; l < r.p; ++l) o[l] += c * x[l];
+    }
+  }
+  std::copy(tmp, tmp + r.P, y);
+}
+
+struct HeadSpan {  // rows [r0, r0 + n) of a tile read KV head kvh, the group's head hl
+  int64_t kvh = 0;
+  int hl = 0, r0 = 0, n = 0;
+  Rows rows;  // those rows alone, for dot_rows
+};
+
+struct Tile {
+  int64_t b = 0, gi = 0, r0 = 0;  // r0: first row among the group's rows (query head major, then position)
+  int n = 0;
+};
+
+struct HiggsPlan {
+  std::vector<Tile> tiles;
+  int64_t nchunk = 1, chunk_len = 0, stride = 0, hpg = 1;
+  int threads = 1;
+
+  HiggsPlan(const HiggsArgs& a, const Problem& P) {
+    hpg = a.heads_per_group;
+    const int64_t groups = (P.Hkv + hpg - 1) / hpg;
+    for (int64_t b = 0; b < P.B; ++b)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t rows = std::min(hpg, P.Hkv - gi * hpg) * P.g * P.Q;
+        const int64_t nt = (rows + NRMAX - 1) / NRMAX, base = rows / nt, extra = rows % nt;
+        for (int64_t t = 0; t < nt; ++t)
+          tiles.push_back({b, gi, t * base + std::min(t, extra), int(base + (t < extra ? 1 : 0))});
+      }
+    const int64_t items = int64_t(tiles.size());
+    threads = at::get_num_threads();
+    if (items * P.L < Plan::SMALL) threads = 1;
+    if (threads > 1) {
+      const int64_t want = (8 * threads + items - 1) / items;
+      nchunk = std::max<int64_t>(1, std::min<int64_t>(want, P.L / (4 * BT)));
+    }
+    chunk_len = ((P.L + nchunk - 1) / nchunk + BT - 1) / BT * BT;
+    nchunk = (P.L + chunk_len - 1) / chunk_len;
+    stride = NRMAX * (2 + P.D + a.P);
+  }
+
+  // The tile's rows (R) and the spans of rows that share a KV head.
+  Rows rows(const Problem& P, const Tile& t, std::vector<HeadSpan>& spans) const {
+    Rows R;
+    R.n = t.n;
+    spans.clear();
+    const int64_t qh0 = t.gi * hpg * P.g;
+    for (int r = 0; r < t.n; ++r) {
+      const int64_t rr = t.r0 + r, qh = qh0 + rr / P.Q, i = rr % P.Q, kvh = qh / P.g;
+      R.q[r] = P.q + t.b * P.qb + qh * P.qh + i * P.qt;
+      R.mask_off[r] = t.b * P.mb + qh * P.mh + i * P.mq;
+      R.limit[r] = P.causal ? P.L - P.Q + i + 1 : P.L;
+      if (spans.empty() || spans.back().kvh != kvh) {
+        HeadSpan s;
+        s.kvh = kvh;
+        s.hl = int(kvh - t.gi * hpg);
+        s.r0 = r;
+        spans.push_back(s);
+      }
+      HeadSpan& s = spans.back();
+      s.rows.q[s.n] = R.q[r];
+      s.rows.n = ++s.n;
+    }
+    return R;
+  }
+};
+
+// cos and sin of 16 fp32 angles: Cody-Waite reduction by pi/2 with FMAs (exact steps for any
+// angle a position reaches), then the Cephes minimax polynomials on [-pi/4, pi/4] (about 1 ulp).
+#if KVQ_AVX512
+inline void sincos16(__m512 x, __m512& s, __m512& c) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.636619772367581343f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.5703125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(4.837512969970703125e-4f), r);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(7.54978995489188216e-8f), r);
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 ps = _mm512_fmadd_ps(_mm512_set1_ps(-1.9515295891e-4f), z, _mm512_set1_ps(8.3321608736e-3f));
+  ps = _mm512_fmadd_ps(ps, z, _mm512_set1_ps(-1.6666654611e-1f));
+  ps = _mm512_fmadd_ps(_mm512_mul_ps(ps, z), r, r);
+  __m512 pc = _mm512_fmadd_ps(_mm512_set1_ps(2.443315711809948e-5f), z, _mm512_set1_ps(-1.388731625493765e-3f));
+  pc = _mm512_fmadd_ps(pc, z, _mm512_set1_ps(4.166664568298827e-2f));
+  pc = _mm512_fmadd_ps(_mm512_mul_ps(pc, z), z, _mm512_fnmadd_ps(_mm512_set1_ps(0.5f), z, _mm512_set1_ps(1.0f)));
+  const __m512i q = _mm512_cvtps_epi32(n), one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+  const __mmask16 swap = _mm512_test_epi32_mask(q, one);
+  const __mmask16 neg_s = _mm512_test_epi32_mask(q, two);
+  const __mmask16 neg_c = _mm512_test_epi32_mask(_mm512_add_epi32(q, one), two);
+  const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
+  const __m512 s0 = _mm512_mask_blend_ps(swap, ps, pc), c0 = _mm512_mask_blend_ps(swap, pc, ps);
+  s = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(s0), neg_s, _mm512_castps_si512(s0), sign));
+  c = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(c0), neg_c, _mm512_castps_si512(c0), sign));
+}
+#endif
+
+// The RoPE row of one position, as transformers' rotary modules compute it: angle_j = position *
+// inv_freq_j (one fp32 product), both halves of cos/sin equal, times the attention scaling.
+inline void rope_row(int32_t position, const float* inv_freq, float scale, int D, float* cs, float* sn) {
+  const int h = D / 2;
+  const float x = float(position);
+  int j = 0;
+#if KVQ_AVX512
+  for (; j < h; j += W) {
+    const mk m = lanes(h - j);
+    __m512 s, c;
+    sincos16(_mm512_mul_ps(_mm512_set1_ps(x), _mm512_maskz_loadu_ps(m, inv_freq + j)), s, c);
+    s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+    c = _mm512_mul_ps(c, _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(cs + j, m, c);
+    _mm512_mask_storeu_ps(cs + h + j, m, c);
+    _mm512_mask_storeu_ps(sn + j, m, s);
+    _mm512_mask_storeu_ps(sn + h + j, m, s);
+  }
+#endif
+  for (; j < h; ++j) {
+    const float angle = x * inv_freq[j];
+    cs[j] = cs[j + h] = std::cos(angle) * scale;
+    sn[j] = sn[j + h] = std::sin(angle) * scale;
+  }
+}
+
+// Post-RoPE key of one head from its rotated-back channels g (before signs and scale): dst[0, D),
+// lanes up to NC*W zeroed for dot_rows.
+inline void rope_key(const float* g, const float* sg, float scale, const float* cs, const float* sn, int D, int width,
+                     float* dst) {
+  const int h = D / 2;
+  for (int l = 0; l < h; ++l) {
+    const float a = g[l] * sg[l] * scale, b = g[l + h] * sg[l + h] * scale;
+    dst[l] = a * cs[l] - b * sn[l];
+    dst[l + h] = b * cs[l + h] + a * sn[l + h];
+  }
+  std::fill(dst + D, dst + width, 0.0f);
+}
+
+// Keys [tb, te) for one tile; writes m, l, the plain accumulator (D) and the rotated one (P) per row.
+template <int NC, int BITS>
+void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows& R, const std::vector<HeadSpan>& spans,
+              int64_t tb, int64_t te, float* out) {
+  constexpr int NCW = NC * W;
+  alignas(64) float s[NRMAX * BT];
+  alignas(64) float d[NRMAX * BT];
+  alignas(64) float acc[NRMAX * DMAX];
+  alignas(64) float buf[SB * NCW];
+  alignas(64) float cbuf[DMAX], sbuf[DMAX];
+  float m[NRMAX], l[NRMAX], sc[SB];
+  const int D = P.D, PP = a.P, half = PP / 2, ns = int(spans.size());
+  const int64_t b = tile.b, gi = tile.gi, code0 = a.ns, code1 = a.ns + a.nc;
+  const Rotation rot{a.outer, a.m, a.p, PP};
+  const float inv_sqrt = 1.0f / std::sqrt(float(PP));
+  std::vector<float> racc(size_t(R.n) * PP, 0.0f);  // rows' rotated-domain value sums
+  std::vector<float> keys(size_t(ns) * SB * NCW);   // post-RoPE keys of the tile's heads, SB tokens
+  std::vector<float> y(size_t(SB) * PP), tmp(PP);
+  for (int r = 0; r < R.n; ++r) {
+    m[r] = NEG_INF;
+    l[r] = 0.0f;
+    std::fill(acc + r * DMAX, acc + r * DMAX + NCW, 0.0f);
+  }
+  // The three parts along the keys: fp16 sinks [0, code0), codes [code0, code1), fp16 recent [code1, L).
+  auto piece = [&](int64_t t, int k) -> int {  // at most k keys from t on, all in t's part
+    if (t < code0) return int(std::min<int64_t>(k, code0 - t));
+    return t < code1 ? int(std::min<int64_t>(k, code1 - t)) : k;
+  };
+  auto fp16_part = [&](int64_t t, bool key) -> std::pair<const Half4*, int64_t> {
+    if (t < code0) return {key ? &a.sink_k : &a.sink_v, t};
+    return {key ? &a.recent_k : &a.recent_v, t - code1};
+  };
+  for (int64_t t0 = tb; t0 < te; t0 += BT) {
+    const int n = int(std::min<int64_t>(BT, te - t0));
+    if (!mask_block(P, R, t0, n, s)) continue;
+    for (int i = 0; i < n;) {
+      const int64_t t = t0 + i;
+      const int k = piece(t, std::min(SB, n - i));
+      if (t >= code0 && t < code1) {
+        for (int j = 0; j < k; ++j) {
+          const int64_t ci = t - code0 + j;
+          lookup<BITS>(a.kc + b * a.kcb + ci * a.kct, gi * half, half, a.grid, y.data());
+          rotate_back(y.data(), tmp.data(), rot);
+          const float scale = half_to_float(a.ks[b * a.ksb + ci * a.kst + gi]) * inv_sqrt;
+          const float* cs = cbuf;
+          const float* sn = sbuf;
+          if (a.pos != nullptr) {
+            rope_row(a.pos[b * a.pb + ci * a.pt], a.inv_freq, a.rope_scale, D, cbuf, sbuf);
+          } else {
+            cs = a.cos + b * a.cb + ci * a.ct;
+            sn = a.sin + b * a.sb + ci * a.st;
+          }
+          for (int h = 0; h < ns; ++h) {
+            const int c0 = spans[h].hl * D;
+            rope_key(y.data() + c0, a.signs + c0, scale, cs, sn, D, NCW, keys.data() + (h * SB + j) * NCW);
+          }
+        }
+        for (int h = 0; h < ns; ++h)
+          dot_rows<NC>(keys.data() + h * SB * NCW, k, spans[h].rows, D, d + spans[h].r0 * BT + i);
+      } else {
+        const auto [src, idx] = fp16_part(t, true);
+        for (const HeadSpan& hs : spans) {
+          half_rows<NC>(src->row(b, hs.kvh, idx), src->st, k, D, buf);
+          dot_rows<NC>(buf, k, hs.rows, D, d + hs.r0 * BT + i);
+        }
+      }
+      i += k;
+    }
+    for (int r = 0; r < R.n; ++r)
+      for (int t = 0; t < n; ++t) s[r * BT + t] += P.scaling * d[r * BT + t];
+    for (int r = 0; r < R.n; ++r) {
+      const float before = m[r];
+      softmax_block(s + r * BT, m[r], l[r], acc + r * DMAX, NCW);
+      if (before != m[r] && before != NEG_INF) {  // the same rescaling softmax_block applied to acc
+        const float alpha = std::exp(before - m[r]);
+        float* x = racc.data() + size_t(r) * PP;
+        for (int c = 0; c < PP; ++c) x[c] *= alpha;
+      }
+    }
+    for (int i = 0; i < n;) {
+      const int64_t t = t0 + i;
+      const int k = piece(t, std::min(SB, n - i));
+      if (t >= code0 && t < code1) {
+        for (int j = 0; j < k; ++j) {
+          const int64_t ci = t - code0 + j;
+          lookup<BITS>(a.vc + b * a.vcb + ci * a.vct, gi * half, half, a.grid, y.data() + j * PP);
+          sc[j] = half_to_float(a.vs[b * a.vsb + ci * a.vst + gi]);
+        }
+        for (int r = 0; r < R.n; ++r) {
+          float w[SB];
+          bool any = false;
+          for (int j = 0; j < k; ++j) {
+            w[j] = s[r * BT + i + j] * sc[j];
+            any |= w[j] != 0.0f;
+          }
+          if (!any) continue;
+          float* x = racc.data() + size_t(r) * PP;
+          for (int c = 0; c < PP; c += W) {
+            const mk lm = lanes(PP - c);
+            vf v = load(x + c, lm);
+            for (int j = 0; j < k; ++j) v = fma(set1(w[j]), load(y.data() + j * PP + c, lm), v);
+            store(x + c, v, lm);
+          }
+        }
+      } else {
+        const auto [src, idx] = fp16_part(t, false);
+        for (const HeadSpan& hs : spans) {
+          half_rows<NC>(src->row(b, hs.kvh, idx), src->st, k, D, buf);
+          accumulate_rows<NC>(buf, k, hs.n, s + hs.r0 * BT + i, acc + hs.r0 * DMAX);
+        }
+      }
+      i += k;
+    }
+  }
+  for (int r = 0; r < R.n; ++r) {
+    float* o = out + r * (2 + D + PP);
+    o[0] = m[r];
+    o[1] = l[r];
+    std::copy(acc + r * DMAX, acc + r * DMAX + D, o + 2);
+    std::copy(racc.data() + size_t(r) * PP, racc.data() + size_t(r + 1) * PP, o + 2 + D);
+  }
+}
+
+// One tile's chunk partials (nchunk of them, stride apart) -> its rows of out [B, Hq, Q, D]:
+// log-sum-exp merge of both accumulators, then the rotated one rotated back once per row (signs,
+// 1/sqrt(P)) and its head's channels added.
+void finish_tile(const HiggsArgs& a, const Problem& P, const HiggsPlan& plan, const Tile& t, const float* part,
+                 float* o) {
+  const int D = P.D, PP = a.P, row = 2 + D + PP;
+  const Rotation rot{a.outer, a.m, a.p, PP};
+  const float inv_sqrt = 1.0f / std::sqrt(float(PP));
+  std::vector<float> u(PP), tmp(PP);
+  const int64_t qh0 = t.gi * plan.hpg * P.g;
+  for (int r = 0; r < t.n; ++r) {
+    const int64_t rr = t.r0 + r, qh = qh0 + rr / P.Q, i = rr % P.Q;
+    float* dst = o + ((t.b * P.Hq + qh) * P.Q + i) * D;
+    std::fill(dst, dst + D, 0.0f);
+    float mx = NEG_INF;
+    for (int64_t c = 0; c < plan.nchunk; ++c) mx = std::max(mx, part[c * plan.stride + r * row]);
+    if (mx == NEG_INF) continue;  // a row that sees no key: zeros
+    std::fill(u.begin(), u.end(), 0.0f);
+    float denom = 0.0f;
+    for (int64_t c = 0; c < plan.nchunk; ++c) {
+      const float* src = part + c * plan.stride + r * row;
+      if (src[0] == NEG_INF) continue;
+      const float wgt = std::exp(src[0] - mx);
+      denom += wgt * src[1];
+      for (int x = 0; x < D; ++x) dst[x] += wgt * src[2 + x];
+      for (int x = 0; x < PP; ++x) u[x] += wgt * src[2 + D + x];
+    }
+    const float inv = 1.0f / denom;
+    if (a.nc > 0) {
+      rotate_back(u.data(), tmp.data(), rot);
+      const int c0 = int(qh / P.g - t.gi * plan.hpg) * D;
+      for (int x = 0; x < D; ++x) dst[x] = (dst[x] + u[c0 + x] * a.signs[c0 + x] * inv_sqrt) * inv;
+    } else {
+      for (int x = 0; x < D; ++x) dst[x] *= inv;
+    }
+  }
+}
+
+template <int NC, int BITS>
+at::Tensor attend_higgs_impl(const HiggsArgs& a, const Problem& P) {
+  const HiggsPlan plan(a, P);
+  const int64_t items = int64_t(plan.tiles.size()), work = items * plan.nchunk;
+  auto out = at::empty({P.B, P.Hq, P.Q, int64_t(P.D)}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  auto tile = [&](int64_t item, int64_t c, float* dst) {
+    std::vector<HeadSpan> spans;
+    const Rows R = plan.rows(P, plan.tiles[item], spans);
+    const int64_t tb = c * plan.chunk_len, te = std::min(P.L, tb + plan.chunk_len);
+    run_tile<NC, BITS>(a, P, plan.tiles[item], R, spans, tb, te, dst);
+  };
+  if (plan.nchunk == 1) {  // many tiles (a long prompt): each finished as it is done, no partials kept
+#pragma omp parallel for schedule(dynamic, 1) num_threads(plan.threads)
+    for (int64_t item = 0; item < items; ++item) {
+      std::vector<float> part(size_t(plan.stride));
+      tile(item, 0, part.data());
+      finish_tile(a, P, plan, plan.tiles[item], part.data(), o);
+    }
+    return out;
+  }
+  std::vector<float> part(size_t(work * plan.stride));  // few tiles: their key chunks spread over threads
+#pragma omp parallel for schedule(dynamic, 1) num_threads(plan.threads)
+  for (int64_t w = 0; w < work; ++w) tile(w / plan.nchunk, w % plan.nchunk, part.data() + w * plan.stride);
+#pragma omp parallel for schedule(static) num_threads(plan.threads)
+  for (int64_t item = 0; item < items; ++item)
+    finish_tile(a, P, plan, plan.tiles[item], part.data() + item * plan.nchunk * plan.stride, o);
+  return out;
+}
+
+}  // namespace
+
+at::Tensor higgs_attention(const HiggsArgs& a, const Problem& P) {
+  return dispatch_nc(P.D, [&]<int NC>() {
+    switch (a.bits) {
+      case 4: return attend_higgs_impl<NC, 4>(a, P);
+      case 6: return attend_higgs_impl<NC, 6>(a, P);
+      default: return attend_higgs_impl<NC, 8>(a, P);
+    }
+  });
+}
+
+}  // namespace kvq
