@@ -200,3 +200,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def built() -> None:
+    """The C++ kernels (tests that need them skip only where no compiler exists)."""
+    require_kernels_cpu()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Torch thread count 1 and 2: a kernel's result must not depend on it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

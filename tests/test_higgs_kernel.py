@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers as T
-from conftest import require_kernels_cpu
+from test_kernels_cpu import causal_padding_mask as padded_causal
+from test_kernels_cpu import reference
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kernels_cpu
@@ -27,37 +28,6 @@ from kvquant.quant.higgs import Higgs
 # fp32 sums over up to ~1000 keys and a 1024-point rotation, against fp64 over the torch path's own
 # fp32 reconstruction: measured differences are below 2e-6 on outputs of magnitude 1-3.
 RTOL, ATOL = 1e-4, 2e-5
-
-
-@pytest.fixture(scope="session")
-def built() -> None:
-    require_kernels_cpu()
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
-def reference(q, k, v, mask=None, scaling=None) -> torch.Tensor:
-    """fp64 attention with GQA as transformers' repeat_kv; rows that see no key give 0."""
-    g = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(g, dim=1)
-    v = v.double().repeat_interleave(g, dim=1)
-    s = (q.double() @ k.mT) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.nan_to_num(s.softmax(dim=-1), nan=0.0) @ v
-
-
-def padded_causal(batch: int, q_len: int, length: int, pads: list[int]) -> torch.Tensor:
-    """Bool ``[B, 1, q_len, L]``: query i sees keys ``t <= L - q_len + i`` that are not left padding."""
-    t = torch.arange(length)
-    causal = t[None, :] <= (length - q_len + torch.arange(q_len))[:, None]
-    return (causal[None] & (t[None, :] >= torch.tensor(pads)[:, None])[:, None, :])[:, None]
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:

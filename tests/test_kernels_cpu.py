@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-from conftest import require_kernels_cpu
 
 import kernels_cpu
 from kernels_cpu import loader
@@ -23,19 +22,6 @@ from kvquant.cache import KVGeometry
 from kvquant.methods.base import get_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="session")
-def built() -> None:
-    require_kernels_cpu()
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def reference(q, k, v, mask=None, scaling=None) -> torch.Tensor:
