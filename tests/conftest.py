@@ -217,3 +217,28 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+def assert_kernels_follow_torch(model, tok, name: str, **params):
+    """``backend=cpu`` against ``backend=torch`` on one prompt: teacher-forced along the torch path's
+    greedy tokens the mean KL is below 1e-6, the cpu path's own greedy run first differs (if ever) at
+    a near-tie, and what is stored and read is the same. Returns the cpu path's cache."""
+    from kvquant import get_method
+    from kvquant.eval.fidelity import first_flip_is_near_tie, greedy_decode, kl_divergence
+
+    ids = tok("Once upon a time, a little fox", return_tensors="pt").input_ids[0]
+    runs, routed_before = {}, model.config._attn_implementation
+    for backend in ("torch", "cpu"):
+        method = get_method(name, **params, backend=backend)
+        with method.attach(model):
+            cache = method.new_cache(model)
+            free = greedy_decode(model, ids, cache, 40)
+            forced_cache = method.new_cache(model)
+            forced = greedy_decode(model, ids, forced_cache, 40, forced=runs["torch"][0].tokens if runs else None)
+            runs[backend] = (free, forced, cache)
+        assert cache.backend == backend and model.config._attn_implementation == routed_before
+    (free_t, _, cache_t), (free_c, forced_c, cache_c) = runs["torch"], runs["cpu"]
+    assert kl_divergence(free_t.logprobs, forced_c.logprobs).mean() < 1e-6
+    assert first_flip_is_near_tie(free_t.tokens, free_t.logprobs, free_c.tokens)
+    assert cache_c.stats() == cache_t.stats()
+    return cache_c

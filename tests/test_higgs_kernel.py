@@ -188,27 +188,12 @@ def test_backend_cpu_follows_the_torch_path(built, stories, bits):
     tokens the mean KL between the two is below 1e-6 (fp32 summation order only: the codes are the
     same), its own greedy run first differs (if ever) at a near-tie, what is stored and read is
     counted the same, and beam search (a reorder every step) runs."""
+    from conftest import assert_kernels_follow_torch
     from test_kivi import beam_search_runs
 
-    from kvquant.eval.fidelity import first_flip_is_near_tie, greedy_decode, kl_divergence
-
     model, tok = stories
-    ids = tok("Once upon a time, a little fox", return_tensors="pt").input_ids[0]
-    runs, routed_before = {}, model.config._attn_implementation
-    for backend in ("torch", "cpu"):
-        method = get_method("higgs", bits=bits, window=16, backend=backend)
-        with method.attach(model):
-            cache = method.new_cache(model)
-            free = greedy_decode(model, ids, cache, 40)
-            forced_cache = method.new_cache(model)
-            forced = greedy_decode(model, ids, forced_cache, 40, forced=runs["torch"][0].tokens if runs else None)
-            runs[backend] = (free, forced, cache)
-        assert cache.backend == backend and model.config._attn_implementation == routed_before
-    (free_t, _, cache_t), (free_c, forced_c, cache_c) = runs["torch"], runs["cpu"]
+    cache_c = assert_kernels_follow_torch(model, tok, "higgs", bits=bits, window=16)
     assert cache_c.layers[0].n_codes > 0
-    assert kl_divergence(free_t.logprobs, forced_c.logprobs).mean() < 1e-6
-    assert first_flip_is_near_tie(free_t.tokens, free_t.logprobs, free_c.tokens)
-    assert cache_c.stats() == cache_t.stats()
     with get_method("higgs", window=8, backend="cpu").attach(model) as routed:
         beam_search_runs(routed, tok, get_method("higgs", window=8, backend="cpu"))
 

@@ -119,28 +119,12 @@ def test_the_cpu_kernels_follow_the_torch_path(stories, name):
     equal to fp32 accuracy, the kernels themselves are tested to be in test_kernels_cpu), its own
     greedy run first differs (if ever) at a near-tie, what is stored and read is the same, and beam
     search (a reorder every step) runs."""
-    from conftest import require_kernels_cpu
+    from conftest import assert_kernels_follow_torch, require_kernels_cpu
     from test_kivi import beam_search_runs
-
-    from kvquant.eval.fidelity import first_flip_is_near_tie, greedy_decode, kl_divergence
 
     require_kernels_cpu()
     model, tok = stories
-    ids = tok("Once upon a time, a little fox", return_tensors="pt").input_ids[0]
-    runs, routed_before = {}, model.config._attn_implementation
-    for backend in ("torch", "cpu"):
-        method = get_method(name, group_size=8, residual=16, backend=backend)
-        with method.attach(model):
-            cache = method.new_cache(model)
-            free = greedy_decode(model, ids, cache, 40)
-            forced_cache = method.new_cache(model)
-            forced = greedy_decode(model, ids, forced_cache, 40, forced=runs["torch"][0].tokens if runs else None)
-            runs[backend] = (free, forced, cache)
-        assert cache.backend == backend and model.config._attn_implementation == routed_before
-    (free_t, _, cache_t), (free_c, forced_c, cache_c) = runs["torch"], runs["cpu"]
-    assert kl_divergence(free_t.logprobs, forced_c.logprobs).mean() < 1e-6
-    assert first_flip_is_near_tie(free_t.tokens, free_t.logprobs, free_c.tokens)
-    assert cache_c.stats() == cache_t.stats()
+    assert_kernels_follow_torch(model, tok, name, group_size=8, residual=16)
     with get_method(name, backend="cpu").attach(model) as routed:
         beam_search_runs(routed, tok, get_method(name, backend="cpu"))
 

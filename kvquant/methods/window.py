@@ -394,8 +394,8 @@ class WindowedLayer(KVLayer):
     def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
         """Attention over the stored codes and windows by the backend's kernel (``kvquant.attention``).
         A prompt chunk of ``PROMPT_QUERIES`` or more queries dequantizes the history once, as the torch
-        path does, for the model's stock attention: the kernel dequantizes per query, which made
-        chunked prefill several times slower than torch; decode steps (and short chunks) use the kernel."""
+        path does, for the model's stock attention: the kernel dequantizes the history once per query,
+        q_len times the work for a prompt chunk; decode steps (and short chunks) use the kernel."""
         if query.shape[2] >= PROMPT_QUERIES:
             keys, values = self.k_stream.read(query.dtype), self.v_stream.read(query.dtype)
             return stock_attention(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
