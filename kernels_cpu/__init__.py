@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kernels_cpu.loader import Status, build, build_dir, status
 from kernels_cpu.ops import (
+    attend_aligned,
     attend_fp16,
     attend_gear,
     attend_higgs,
@@ -31,6 +32,7 @@ __all__ = [
     "attend_gear",
     "attend_higgs",
     "attend_kivi",
+    "attend_aligned",
     "attend_planes",
     "exponent_gaps",
     "build",
