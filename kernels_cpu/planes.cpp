@@ -251,27 +251,36 @@ void read_key_block(const PlaneArgs& s, int64_t b, int64_t h, int64_t j, int D, 
 }
 
 // out[r*W + t] = scaling * sum_c q_r[c] * buf[c*W + t] in fp64 for NR rows and the 16 channel-major
-// buffered tokens: each buffer vector is widened once and feeds 2*NR independent FMA chains.
+// buffered tokens: each buffer vector is widened once and feeds 2*NR FMA chains; with few rows the
+// channels are split over S partial sums too (S*2*NR = 8 chains in flight), added at the end.
 template <int NR>
 inline void dot_channels_f64(const float* buf, const float* const* q, int D, double scaling, double* out) {
 #if KVQ_AVX512
-  __m512d acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_pd();
-  for (int c = 0; c < D; ++c) {
+  constexpr int S = NR == 1 ? 4 : NR == 2 ? 2 : 1;
+  __m512d acc[S][NR][2];
+  for (int u = 0; u < S; ++u)
+    for (int r = 0; r < NR; ++r) acc[u][r][0] = acc[u][r][1] = _mm512_setzero_pd();
+  auto step = [&](int u, int c) {
     const __m512 x = _mm512_load_ps(buf + c * W);
     const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
     const __m512d hi = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(x), 1)));
     for (int r = 0; r < NR; ++r) {
       const __m512d qv = _mm512_set1_pd(double(q[r][c]));
-      acc[r][0] = _mm512_fmadd_pd(qv, lo, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_pd(qv, hi, acc[r][1]);
+      acc[u][r][0] = _mm512_fmadd_pd(qv, lo, acc[u][r][0]);
+      acc[u][r][1] = _mm512_fmadd_pd(qv, hi, acc[u][r][1]);
     }
-  }
+  };
+  int c = 0;
+  for (; c + S <= D; c += S)
+    for (int u = 0; u < S; ++u) step(u, c + u);
+  for (; c < D; ++c) step(0, c);
   const __m512d sc = _mm512_set1_pd(scaling);
-  for (int r = 0; r < NR; ++r) {
-    _mm512_storeu_pd(out + r * W, _mm512_mul_pd(acc[r][0], sc));
-    _mm512_storeu_pd(out + r * W + 8, _mm512_mul_pd(acc[r][1], sc));
-  }
+  for (int r = 0; r < NR; ++r)
+    for (int half = 0; half < 2; ++half) {
+      __m512d sum = acc[0][r][half];
+      for (int u = 1; u < S; ++u) sum = _mm512_add_pd(sum, acc[u][r][half]);
+      _mm512_storeu_pd(out + r * W + 8 * half, _mm512_mul_pd(sum, sc));
+    }
 #else
   for (int r = 0; r < NR; ++r) {
     double acc[W] = {};
@@ -292,7 +301,12 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
                   uint8_t* wv, float* out) {
   const int D = P.D;
   const int64_t L = P.L, R = int64_t(P.g) * P.Q, nv = f.s.nb * KB;
-  std::vector<double> S(static_cast<size_t>(R * L));
+  // Kept per thread across calls: vectors of a step's size (scores of 16K tokens are 128 KiB per row)
+  // would each be a fresh mmap, page-faulted on every call.
+  thread_local std::vector<double> S, shifted, smax;
+  S.resize(static_cast<size_t>(R * L));
+  shifted.resize(static_cast<size_t>(L));
+  smax.resize(static_cast<size_t>(std::max<int64_t>(nv, 1)));
   std::vector<const float*> q(R);
   std::vector<int64_t> moff(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -336,7 +350,6 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
       }
     }
   }
-  std::vector<double> shifted(static_cast<size_t>(L));
   for (int64_t r = 0; r < R; ++r) {  // softmax as torch's (exp(x - max), times 1 / sum); no key seen: zeros
     double* srow = S.data() + r * L;
     const double mx = max_of(srow, L);
@@ -389,7 +402,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
     }
   }
   for (int c = 0; c < D; ++c) e_o[c] = int16_t(std::clamp(e_row[c], -(1 << 14), 1 << 14) + 15);
-  std::vector<double> smax(S.begin(), S.begin() + nv);  // per block token: the largest score of any row
+  std::copy(S.begin(), S.begin() + nv, smax.begin());  // per block token: the largest score of any row
   for (int64_t r = 1; r < R; ++r)
     for (int64_t t = 0; t < nv; ++t) smax[t] = S[r * L + t] > smax[t] ? S[r * L + t] : smax[t];
   for (int64_t t = 0; t < nv; ++t) {  // the gap, then the width (8 / 12 / 16)
