@@ -87,8 +87,8 @@ def render(table, stem: Path) -> list[Path]:
         axes[1][col].set_xlabel("mean bits read per K/V element (bits)")
         axes[1][col].set_yscale("symlog", linthresh=linthresh)
         if timed:
-            xs = [8.0, 16.5]
-            axes[2][col].plot(xs, [x / 16 for x in xs], ls="--", color="gray", lw=0.8, label="ideal: bits / 16")
+            ideal = table[table.context == ctx].sort_values("attention_bits_read")
+            axes[2][col].plot(ideal.attention_bits_read, ideal.ideal_x_fp16, ls="--", color="gray", lw=0.8)
             axes[2][col].axhline(1.0, color="black", lw=0.8)
             axes[2][col].set_xlabel("bits read per element in the timed step (synthetic K/V)")
         for ax in axes[:, col]:
@@ -96,7 +96,7 @@ def render(table, stem: Path) -> list[Path]:
     axes[0][0].set_ylabel("greedy tokens equal to fp16 (share)")
     axes[1][0].set_ylabel("KL(fp16 ‖ rule) per token (nats)")
     if timed:
-        axes[2][0].set_ylabel("KV time of a decode step / fp16's")
+        axes[2][0].set_ylabel("KV time of a decode step / fp16's (dashed: bits / 16)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), bbox_to_anchor=(0.5, -0.01), frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
