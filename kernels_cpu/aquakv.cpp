@@ -20,12 +20,76 @@ namespace kvq {
 
 namespace {
 
+// The grid points of n codes from k0 on (higgs.h's lookup); 4-bit codes (2-bit HIGGS: a 16-point grid)
+// by one two-table permute per 8 codes instead of a gather.
+template <int BITS>
+inline void lookup_fast(const uint8_t* row, int64_t k0, int n, const float* grid, float* y) {
+#if KVQ_AVX512
+  if constexpr (BITS == 4) {
+    if (k0 % 8 == 0) {
+      const __m512d lo = _mm512_loadu_pd(reinterpret_cast<const double*>(grid));
+      const __m512d hi = _mm512_loadu_pd(reinterpret_cast<const double*>(grid) + 8);
+      int j = 0;
+      for (; j + 8 <= n; j += 8) {
+        const __m512i idx = _mm512_cvtepu32_epi64(codes8<4>(row, k0 + j));
+        _mm512_storeu_ps(y + 2 * j, _mm512_castpd_ps(_mm512_permutex2var_pd(lo, idx, hi)));
+      }
+      if (j < n) lookup<BITS>(row, k0 + j, n - j, grid, y + 2 * j);
+      return;
+    }
+  }
+#endif
+  lookup<BITS>(row, k0, n, grid, y);
+}
+
+constexpr int MFAST = 24;  // dense factors up to this order are mixed in registers (kvquant's are 1, 12, 20)
+
+// One group: y (P grid values, overwritten) -> o[0, cn) = (H y / sqrt(P)) * signs * scale (+ bias).
+inline void rotate_store(float* y, float* tmp, const HiggsRowsArgs& c, float scale, const float* bias, float* o,
+                         int64_t cn) {
+  const vf sv = set1(scale), norm = set1(1.0f / std::sqrt(float(c.P)));
+  for (int i = 0; i < c.m; ++i) fwht(y + i * c.p, c.p);
+  if (c.m > 1 && c.p % W == 0 && c.m <= MFAST) {  // dense m x m mix, 16 lanes of every block at a time
+    for (int l = 0; l < c.p; l += W) {
+      vf x[MFAST];
+      for (int j = 0; j < c.m; ++j) x[j] = load(y + j * c.p + l, lanes(W));
+      for (int i = 0; i < c.m; ++i) {
+        const int64_t ch = int64_t(i) * c.p + l;
+        if (ch >= cn) break;
+        const float* row = c.outer + i * c.m;
+        vf acc = mul(set1(row[0]), x[0]);
+        for (int j = 1; j < c.m; ++j) acc = fma(set1(row[j]), x[j], acc);
+        const mk m = lanes(int(cn - ch));
+        vf r = mul(mul(mul(acc, norm), load(c.signs + ch, m)), sv);
+        if (bias != nullptr) r = add(r, load(bias + ch, m));
+        store(o + ch, r, m);
+      }
+    }
+    return;
+  }
+  if (c.m > 1) {  // small blocks (p < 16): the dense mix as higgs.h's rotate_back does it
+    for (int i = 0; i < c.m; ++i) {
+      float* o = tmp + i * c.p;
+      std::fill(o, o + c.p, 0.0f);
+      for (int j = 0; j < c.m; ++j) {
+        const float w = c.outer[i * c.m + j];
+        for (int l = 0; l < c.p; ++l) o[l] += w * y[j * c.p + l];
+      }
+    }
+    std::copy(tmp, tmp + c.P, y);
+  }
+  for (int64_t j = 0; j < cn; j += W) {
+    const mk m = lanes(int(cn - j));
+    vf r = mul(mul(mul(load(y + j, m), norm), load(c.signs + j, m)), sv);
+    if (bias != nullptr) r = add(r, load(bias + j, m));
+    store(o + j, r, m);
+  }
+}
+
 template <int BITS>
 void decode_impl(const HiggsRowsArgs& c, float* out) {
   const int64_t rows = c.B * c.n, C = c.channels;
   const int half = c.P / 2;
-  const Rotation rot{c.outer, c.m, c.p, c.P};
-  const float inv_sqrt = 1.0f / std::sqrt(float(c.P));
   int threads = at::get_num_threads();
   if (rows * C < 65536) threads = 1;  // waking threads would cost more than the work
 #pragma omp parallel num_threads(threads)
@@ -38,17 +102,10 @@ void decode_impl(const HiggsRowsArgs& c, float* out) {
       const uint16_t* sc = c.scales + b * c.sb + t * c.st;
       float* o = out + r * C;
       for (int64_t gi = 0; gi < c.groups; ++gi) {
-        lookup<BITS>(row, gi * half, half, c.grid, y.data());
-        rotate_back(y.data(), tmp.data(), rot);
-        // kvquant's order: (H y / sqrt(P)) * signs * scale, then + bias
-        const vf scale = set1(half_to_float(sc[gi])), norm = set1(inv_sqrt);
+        lookup_fast<BITS>(row, gi * half, half, c.grid, y.data());
         const int64_t c0 = gi * c.group, cn = std::min<int64_t>(c.group, C - c0);
-        for (int64_t j = 0; j < cn; j += W) {
-          const mk m = lanes(int(cn - j));
-          vf x = mul(mul(mul(load(y.data() + j, m), norm), load(c.signs + j, m)), scale);
-          if (c.bias != nullptr) x = add(x, load(c.bias + c0 + j, m));
-          store(o + c0 + j, x, m);
-        }
+        rotate_store(y.data(), tmp.data(), c, half_to_float(sc[gi]), c.bias == nullptr ? nullptr : c.bias + c0,
+                     o + c0, cn);
       }
     }
   }
