@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kernels_cpu.loader import Status, build, build_dir, status
 from kernels_cpu.ops import (
+    aquakv_encode,
     aquakv_reconstruct,
     aquakv_tensors,
     attend_aquakv,
@@ -30,6 +31,7 @@ from kernels_cpu.ops import (
 
 __all__ = [
     "Status",
+    "aquakv_encode",
     "aquakv_reconstruct",
     "aquakv_tensors",
     "attend_aquakv",

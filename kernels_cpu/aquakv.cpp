@@ -13,6 +13,10 @@
 // - aquakv_attention: the kernels.h driver over fp16 sinks, the workspace rows (keys rotated by RoPE
 //   in the buffer as they are loaded, cos/sin from the int32 position as higgs.cpp computes them, or
 //   from the step's fp32 tables) and the fp16 recent window.
+#include <c10/util/Half.h>
+
+#include <limits>
+
 #include "higgs.h"
 #include "kernels.h"
 
@@ -110,6 +114,92 @@ void decode_impl(const HiggsRowsArgs& c, float* out) {
     }
   }
 }
+
+// ---------------------------------------------------------------- encode (kvquant.quant.higgs.Higgs.quantize)
+
+// One group's g (P floats, zero-padded) -> its fp16 scale and the P/2 grid indices: scale = fp16(RMS),
+// u = g / scale, y = (u * signs) @ kron(outer, S_p) / sqrt(P), each pair of y to its nearest grid point
+// (the largest y.g - |g|^2/2, the first on a tie, as kvquant's argmax).
+inline uint16_t quantize_group(float* g, float* tmp, const HiggsRowsArgs& c, const float* half_sq, int* codes) {
+  const int P = c.P, n = 1 << c.bits;
+  float ss = 0.0f;
+  for (int i = 0; i < P; ++i) ss += g[i] * g[i];
+  const float rms = std::min(std::sqrt(ss / float(P)), 65504.0f);
+  const uint16_t h = c10::Half(rms).x;
+  const float s = half_to_float(h);
+  const float inv_norm = 1.0f / std::sqrt(float(P));
+  for (int i = 0; i < P; ++i) g[i] = s > 0.0f ? g[i] / std::max(s, std::numeric_limits<float>::min()) * c.signs[i] : 0.0f;
+  for (int i = 0; i < c.m; ++i) fwht(g + i * c.p, c.p);
+  if (c.m > 1) {  // block i of x @ kron(O, S) is sum_j O[j, i] (S x_j)
+    for (int i = 0; i < c.m; ++i) {
+      float* o = tmp + i * c.p;
+      std::fill(o, o + c.p, 0.0f);
+      for (int j = 0; j < c.m; ++j) {
+        const float w = c.outer[j * c.m + i];
+        for (int l = 0; l < c.p; ++l) o[l] += w * g[j * c.p + l];
+      }
+    }
+    std::copy(tmp, tmp + P, g);
+  }
+  for (int k = 0; k < P / 2; ++k) {
+    const float y0 = g[2 * k] * inv_norm, y1 = g[2 * k + 1] * inv_norm;
+    int best = 0;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < n; ++j) {
+      const float score = y0 * c.grid[2 * j] + y1 * c.grid[2 * j + 1] - half_sq[j];
+      if (score > top) {
+        top = score;
+        best = j;
+      }
+    }
+    codes[k] = best;
+  }
+  return h;
+}
+
+}  // namespace
+
+void higgs_encode_rows(const HiggsRowsArgs& c, const float* x, uint8_t* codes, int64_t nbytes, uint16_t* scales) {
+  const int64_t rows = c.B * c.n, C = c.channels, ncodes = c.groups * c.P / 2;
+  std::vector<float> half_sq(size_t(1) << c.bits);
+  for (size_t j = 0; j < half_sq.size(); ++j)
+    half_sq[j] = 0.5f * (c.grid[2 * j] * c.grid[2 * j] + c.grid[2 * j + 1] * c.grid[2 * j + 1]);
+  int threads = at::get_num_threads();
+  if (rows * C < 65536) threads = 1;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> g(size_t(c.P)), tmp(size_t(c.P));
+    std::vector<int> idx(size_t(ncodes) + 4, 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * C;
+      for (int64_t gi = 0; gi < c.groups; ++gi) {
+        const int64_t c0 = gi * c.group, cn = std::min<int64_t>(c.group, C - c0);
+        std::fill(g.begin(), g.end(), 0.0f);
+        std::copy(xr + c0, xr + c0 + cn, g.begin());
+        scales[r * c.groups + gi] = quantize_group(g.data(), tmp.data(), c, half_sq.data(), idx.data() + gi * c.P / 2);
+      }
+      uint8_t* out = codes + r * nbytes;
+      std::fill(out, out + nbytes, uint8_t(0));
+      if (c.bits == 8) {
+        for (int64_t k = 0; k < ncodes; ++k) out[k] = uint8_t(idx[k]);
+      } else if (c.bits == 4) {
+        for (int64_t k = 0; k < ncodes; ++k) out[k >> 1] |= uint8_t(idx[k] << ((k & 1) * 4));
+      } else {  // 6 bits: words of 4 codes in 3 bytes, low bits first
+        for (int64_t k = 0; k < ncodes; k += 4) {
+          uint32_t w = 0;
+          for (int i = 0; i < 4 && k + i < ncodes; ++i) w |= uint32_t(idx[k + i]) << (6 * i);
+          uint8_t* o = out + k / 4 * 3;
+          o[0] = uint8_t(w);
+          o[1] = uint8_t(w >> 8);
+          o[2] = uint8_t(w >> 16);
+        }
+      }
+    }
+  }
+}
+
+namespace {
 
 // The AQUA-KV store as the driver reads it: fp16 sinks [0, ns), workspace rows [ns, ns + nc), fp16
 // recent window after them.

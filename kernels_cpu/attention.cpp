@@ -458,9 +458,8 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
 namespace kvq {
 
 // A HIGGS quantizer's tensors and one side's codes/scales [B, n, *] over rows of `channels` values.
-HiggsRowsArgs higgs_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& grid,
-                         const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits, int64_t group,
-                         int64_t channels, const char* name) {
+HiggsRowsArgs higgs_quantizer(const at::Tensor& grid, const at::Tensor& signs, const at::Tensor& outer,
+                              int64_t code_bits, int64_t group, int64_t channels) {
   TORCH_CHECK(code_bits == 4 || code_bits == 6 || code_bits == 8, "aquakv: code_bits must be 4, 6 or 8, got ",
               code_bits);
   HiggsRowsArgs c;
@@ -479,6 +478,13 @@ HiggsRowsArgs higgs_rows(const at::Tensor& codes, const at::Tensor& scales, cons
   c.p = c.P / c.m;
   TORCH_CHECK((c.p & (c.p - 1)) == 0, "aquakv: P / m = ", c.p, " must be a power of two");
   c.grid = floats(grid, "grid", {int64_t(1) << code_bits, 2});
+  return c;
+}
+
+HiggsRowsArgs higgs_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& grid,
+                         const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits, int64_t group,
+                         int64_t channels, const char* name) {
+  HiggsRowsArgs c = higgs_quantizer(grid, signs, outer, code_bits, group, channels);
   const int64_t nbytes = packed_bytes(c.groups * c.P / 2, c.bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == nbytes && codes.stride(2) == 1,
               "aquakv: ", name, "_codes must be uint8 [B, n, ", nbytes, "] with a contiguous last dim, got ",
@@ -550,6 +556,65 @@ void aquakv_reconstruct(const at::Tensor& k_codes, const at::Tensor& k_scales, c
   }
 }
 
+std::vector<at::Tensor> aquakv_encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& grid,
+                                      const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits,
+                                      int64_t group, const Opt& k_weight, const Opt& k_bias, const Opt& v_weight,
+                                      const Opt& v_bias, const Opt& prev_k, const Opt& prev_v) {
+  using namespace kvq;
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "aquakv: k and v must be [B, m, C] alike, got ", k.sizes(),
+              " and ", v.sizes());
+  const int64_t B = k.size(0), m = k.size(1), C = k.size(2);
+  rows_f32(k, "k", B, m, C);
+  rows_f32(v, "v", B, m, C);
+  HiggsRowsArgs c = higgs_quantizer(grid, signs, outer, code_bits, group, C);
+  c.B = B;
+  c.n = m;
+  const int64_t nbytes = packed_bytes(c.groups * c.P / 2, c.bits);
+  TORCH_CHECK(k_weight.has_value() == k_bias.has_value() && v_weight.has_value() == v_bias.has_value() &&
+                  k_weight.has_value() == prev_k.has_value() && v_weight.has_value() == prev_v.has_value(),
+              "aquakv: give each predictor's weight, bias and previous rows, or none of them");
+  if (k_weight.has_value()) {
+    floats(*k_weight, "k_weight", {C, C});
+    floats(*k_bias, "k_bias", {C});
+    rows_f32(*prev_k, "prev_k", B, m, C);
+  }
+  if (v_weight.has_value()) {
+    floats(*v_weight, "v_weight", {2 * C, C});
+    floats(*v_bias, "v_bias", {C});
+    rows_f32(*prev_v, "prev_v", B, m, C);
+  }
+  auto encode = [&](const at::Tensor& x) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor codes = at::empty({B, m, nbytes}, at::kByte);
+    at::Tensor scales = at::empty({B, m, c.groups}, at::kHalf);
+    higgs_encode_rows(c, xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), nbytes,
+                      reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>()));
+    return std::pair{codes, scales};
+  };
+  // keys: Q(k - pred_k(prev_k)); values: Q(v - pred_v([pred_k + deQ(key codes), prev_v])) (predictors.encode_pair)
+  at::Tensor pk;
+  if (k_weight.has_value()) pk = at::addmm(*k_bias, prev_k->reshape({B * m, C}), *k_weight).view({B, m, C});
+  const auto [kc, ks] = encode(pk.defined() ? k - pk : k);
+  at::Tensor resid_v = v;
+  if (v_weight.has_value()) {
+    at::Tensor rk = at::empty({B, m, C}, at::kFloat);
+    HiggsRowsArgs d = c;
+    d.codes = kc.data_ptr<uint8_t>();
+    d.cb = m * nbytes;
+    d.ct = nbytes;
+    d.scales = reinterpret_cast<const uint16_t*>(ks.data_ptr<at::Half>());
+    d.sb = m * c.groups;
+    d.st = c.groups;
+    higgs_decode_rows(d, rk.data_ptr<float>());
+    if (pk.defined()) rk.add_(pk);
+    at::Tensor pv = at::addmm(*v_bias, rk.view({B * m, C}), v_weight->narrow(0, 0, C));
+    pv.addmm_(prev_v->reshape({B * m, C}), v_weight->narrow(0, C, C));
+    resid_v = v - pv.view({B, m, C});
+  }
+  const auto [vc, vs] = encode(resid_v);
+  return {kc, ks, vc, vs};
+}
+
 at::Tensor attend_aquakv(const at::Tensor& q, const Opt& k_rows, const Opt& v_rows, const Opt& cos, const Opt& sin,
                          const Opt& positions, const Opt& inv_freq, double rope_scale, const Opt& k_sinks,
                          const Opt& v_sinks, const at::Tensor& k_recent, const at::Tensor& v_recent, const Opt& mask,
@@ -618,6 +683,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_higgs", &attend_higgs, "fused attention over a HIGGS store (codes, sinks, recent window)");
   m.def("aquakv_reconstruct", &aquakv_reconstruct,
         "an AQUA-KV layer's keys and values, pred + deHIGGS(codes), into given fp32 [B, n, C] buffers");
+  m.def("aquakv_encode", &aquakv_encode, "HIGGS codes of an AQUA-KV layer's new rows (the predictors' residuals)");
   m.def("attend_aquakv", &attend_aquakv, "fused attention over an AQUA-KV layer's reconstructed rows, sinks and window");
   m.def("attend_fp16", &attend_fp16, "fused attention over fp16 K/V");
   m.def("attend_kivi", &attend_kivi, "fused attention over a KIVI store");

@@ -645,6 +645,8 @@ struct AquaArgs {
 };
 
 void higgs_decode_rows(const HiggsRowsArgs& c, float* out);  // out [B, n, channels], contiguous
+// Higgs.quantize of x [c.B, c.n, channels] (contiguous) into contiguous codes [B, n, nbytes] and scales [B, n, groups].
+void higgs_encode_rows(const HiggsRowsArgs& c, const float* x, uint8_t* codes, int64_t nbytes, uint16_t* scales);
 at::Tensor aquakv_attention(const AquaArgs& a, const Problem& P);
 
 at::Tensor higgs_attention(const HiggsArgs& a, const Problem& P);

@@ -464,6 +464,51 @@ def aquakv_reconstruct(
     return out_k, out_v
 
 
+def aquakv_encode(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    grid: torch.Tensor,
+    signs: torch.Tensor,
+    outer: torch.Tensor,
+    code_bits: int,
+    group: int,
+    pred_k: Pred = None,
+    pred_v: Pred = None,
+    prev_k: torch.Tensor | None = None,
+    prev_v: torch.Tensor | None = None,
+) -> tuple[Any, Any]:
+    """HIGGS codes of new rows of an AQUA-KV layer, ``kvquant.methods.aquakv.predictors.encode_pair``'s
+    rule in one call: ``Q(k − pred_k(prev_k))``, then ``Q(v − pred_v([pred_k + deQ(key codes), prev_v]))``.
+
+    ``k``/``v``: pre-RoPE rows ``[B, m, C]`` fp32; ``prev_k``/``prev_v``: the previous layer's
+    reconstruction of them (with the predictors). Returns ``(qk, qv)`` as ``HiggsTensor``s (codes
+    ``[B, m, bytes]`` uint8, fp16 scales ``[B, m, groups]``). Equal to ``Higgs.quantize`` up to fp32
+    summation order (the rotation and the RMS are summed in another order, so a value on a rounding
+    boundary may take the neighbouring code).
+    """
+    from kvquant.quant.higgs import HiggsTensor
+
+    wk, bk = pred_k if pred_k is not None else (None, None)
+    wv, bv = pred_v if pred_v is not None else (None, None)
+    kc, ks, vc, vs = module().aquakv_encode(
+        k,
+        v,
+        grid,
+        signs,
+        outer,
+        int(code_bits),
+        int(group),
+        wk,
+        bk,
+        wv,
+        bv,
+        prev_k if wk is not None else None,
+        prev_v if wv is not None else None,
+    )
+    return HiggsTensor(kc, ks), HiggsTensor(vc, vs)
+
+
 def attend_aquakv(
     q: torch.Tensor,
     k_rows: torch.Tensor | None,

@@ -318,7 +318,14 @@ class AquaKVLayer(KVLayer):
         k = to_rows(undo_rope(ek.float(), cos, sin))
         v = to_rows(ev.float())
         prev_k, prev_v = rows_between(prev, start, start + m, self.layer_idx) if prev is not None else (None, None)
-        qk, _, qv, _ = encode_pair(self.quant, self.pred_k, self.pred_v, k, v, prev_k, prev_v)
+        if self.backend != "torch" and self.owner.predictors is not None:  # the rule in one kernel call
+            q = self.quant
+            qk, qv = get_backend(self.backend).ops.aquakv_encode(
+                k, v, grid=q.grid, signs=q.signs, outer=q.outer, code_bits=q.code_bits, group=q.group,
+                pred_k=self.pred_k, pred_v=self.pred_v, prev_k=prev_k, prev_v=prev_v,
+            )  # fmt: skip
+        else:
+            qk, _, qv, _ = encode_pair(self.quant, self.pred_k, self.pred_v, k, v, prev_k, prev_v)
         if self.qk is None:
             self.code_lo, self.qk, self.qv = start, qk, qv
         else:
