@@ -235,7 +235,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 floors.setdefault(floor_name(name), timer)
         step = decode_times(model, kv, ids[-1:], methods, int(exp.new_tokens), int(exp.repeats), floors)
         for name, s in step.items():
-            floor = step.get(floor_name(name))
+            floor = step.get(name if name in floors else floor_name(name))  # AQUA-KV rows and their floor
             rows.append(
                 {"part": "decode", "context": ctx, "cache": name, "ms_per_step": 1e3 * s}
                 | {"ratio_fp16": s / step[BASELINE], "ratio_hf_dynamic": s / step[HF]}
