@@ -50,7 +50,7 @@ from kvquant.cache import KVCache, KVLayer, nbytes, to_fp16_checked, whole_bit_w
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.aquakv.predictors import Predictors, dequantize_pair, encode_pair, from_rows, to_rows
 from kvquant.methods.aquakv.sliding import Rows, forget, rows_between, tail
-from kvquant.methods.window import Window
+from kvquant.methods.window import PROMPT_QUERIES, Window
 from kvquant.quant.higgs import Higgs, HiggsTensor, cat_rows
 from kvquant.quant.rope import apply_rope, rope_layer_types, rope_tables, undo_rope
 
@@ -278,11 +278,23 @@ class AquaKVLayer(KVLayer):
         mask = attention_mask[..., :n] if attention_mask is not None else None
         causal = mask is None and query.shape[2] > 1
         if self.owner.predictors is not None:
-            out = ops.attend_aquakv(query, **ops.aquakv_tensors(self), mask=mask, scaling=scaling, causal=causal)
+            args = ops.aquakv_tensors(self)
+            if args.get("positions") is not None and query.shape[2] >= PROMPT_QUERIES:
+                args = {**args, **self._prompt_rope(), "positions": None, "inv_freq": None}
+            out = ops.attend_aquakv(query, **args, mask=mask, scaling=scaling, causal=causal)
         else:
             out = ops.attend_higgs(query, **ops.higgs_tensors(self), mask=mask, scaling=scaling, causal=causal)
         self._step_rope = None
         return out.transpose(1, 2).contiguous(), None
+
+    def _prompt_rope(self) -> dict[str, torch.Tensor]:
+        """cos/sin tables of the coded tokens for a prompt chunk: with many query rows the kernel would
+        compute each key's sincos once per 16-row tile, so the layers share one table per forward instead
+        (the last layer, after ``end_forward``, computes its own without keeping it)."""
+        last = self.layer_idx == len(self.owner.layers) - 1
+        rope = self.owner.tables if last else self.owner.quantized_rope
+        cos, sin = rope(self.layer_idx, self.code_lo, self.n_codes)
+        return {"cos": cos, "sin": sin}
 
     def _attended(
         self, dtype: torch.dtype, rk: torch.Tensor | None, rv: torch.Tensor | None, before: int
@@ -356,6 +368,9 @@ class AquaKVCache(KVCache):
     ``layer_types`` (``KVGeometry.layer_types``) choose each layer's RoPE table where the rotary
     module has one per type; the constructor sets each layer's code horizon (module docstring).
     """
+
+    #: the kernel path's reconstruction buffers: a step's transient (``kvquant.analysis.memory``), not held
+    transient_attributes = ("_buffers", "workspace")
 
     def __init__(
         self,
