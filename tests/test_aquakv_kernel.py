@@ -266,12 +266,11 @@ def test_greedy_tokens_equal_the_torch_path(built, stories, stories_predictors, 
 def test_left_padded_batch_and_prompt_chunks_follow_the_torch_path(built, stories, stories_predictors, monkeypatch):
     """A left-padded batch of two prompts fed in chunks (one of 20 queries, which reads RoPE from the
     forward's tables, then chunks of 7 that compute it from positions; the padding mask handed to the
-    kernel), then decoded by ``generate``: logits within 1e-3 of the torch
-    path's at every chunk, and the same tokens. During ``generate`` logits stay within 1e-3 until the
-    two caches store a different code: K/V computed from attention outputs that differ in the last
-    bits may put a residual on the other side of a rounding boundary (measured here: a few code bytes
-    in the last two layers after the chunks, then logits 0.4 apart on one step of a 5-layer model
-    whose 2-bit codes carry most of its history, with the same greedy tokens)."""
+    kernel), then decoded by ``generate``: logits within 1e-3 of the torch path's at every chunk, and
+    the same tokens. During ``generate`` logits stay within 1e-3 until the two caches store a different
+    code: K/V computed from attention outputs that differ in the last bits may put a residual or a
+    scale on the other side of a rounding boundary, and the predictors carry that token's difference
+    into every later layer (the smollm2 test below)."""
     monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(stories_predictors))
     model, tok = stories
     long = "Once upon a time, a little fox saw a big red ball in the park. He wanted to play with it, so he"
