@@ -52,8 +52,8 @@ constexpr int MFAST = 24;  // dense factors up to this order are mixed in regist
 inline void rotate_store(float* y, float* tmp, const HiggsRowsArgs& c, float scale, const float* bias, float* o,
                          int64_t cn) {
   const vf sv = set1(scale), norm = set1(1.0f / std::sqrt(float(c.P)));
-  for (int i = 0; i < c.m; ++i) fwht(y + i * c.p, c.p);
   if (c.m > 1 && c.p % W == 0 && c.m <= MFAST) {  // dense m x m mix, 16 lanes of every block at a time
+    for (int i = 0; i < c.m; ++i) fwht(y + i * c.p, c.p);
     for (int l = 0; l < c.p; l += W) {
       vf x[MFAST];
       for (int j = 0; j < c.m; ++j) x[j] = load(y + j * c.p + l, lanes(W));
@@ -71,17 +71,7 @@ inline void rotate_store(float* y, float* tmp, const HiggsRowsArgs& c, float sca
     }
     return;
   }
-  if (c.m > 1) {  // small blocks (p < 16): the dense mix as higgs.h's rotate_back does it
-    for (int i = 0; i < c.m; ++i) {
-      float* o = tmp + i * c.p;
-      std::fill(o, o + c.p, 0.0f);
-      for (int j = 0; j < c.m; ++j) {
-        const float w = c.outer[i * c.m + j];
-        for (int l = 0; l < c.p; ++l) o[l] += w * y[j * c.p + l];
-      }
-    }
-    std::copy(tmp, tmp + c.P, y);
-  }
+  rotate_back(y, tmp, Rotation{c.outer, c.m, c.p, c.P});  // one block, or blocks under 16 lanes
   for (int64_t j = 0; j < cn; j += W) {
     const mk m = lanes(int(cn - j));
     vf r = mul(mul(mul(load(y + j, m), norm), load(c.signs + j, m)), sv);
@@ -129,18 +119,7 @@ inline uint16_t quantize_group(float* g, float* tmp, const HiggsRowsArgs& c, con
   const float s = half_to_float(h);
   const float inv_norm = 1.0f / std::sqrt(float(P));
   for (int i = 0; i < P; ++i) g[i] = s > 0.0f ? g[i] / std::max(s, std::numeric_limits<float>::min()) * c.signs[i] : 0.0f;
-  for (int i = 0; i < c.m; ++i) fwht(g + i * c.p, c.p);
-  if (c.m > 1) {  // block i of x @ kron(O, S) is sum_j O[j, i] (S x_j)
-    for (int i = 0; i < c.m; ++i) {
-      float* o = tmp + i * c.p;
-      std::fill(o, o + c.p, 0.0f);
-      for (int j = 0; j < c.m; ++j) {
-        const float w = c.outer[j * c.m + i];
-        for (int l = 0; l < c.p; ++l) o[l] += w * g[j * c.p + l];
-      }
-    }
-    std::copy(tmp, tmp + P, g);
-  }
+  rotate_forward(g, tmp, Rotation{c.outer, c.m, c.p, c.P});
   for (int k = 0; k < P / 2; ++k) {
     const float y0 = g[2 * k] * inv_norm, y1 = g[2 * k + 1] * inv_norm;
     int best = 0;

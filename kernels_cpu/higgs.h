@@ -124,6 +124,23 @@ inline void rotate_back(float* y, float* tmp, const Rotation& r) {
   std::copy(tmp, tmp + r.P, y);
 }
 
+// x <- x @ kron(outer, S_p) (unnormalised; Higgs.quantize's direction), in place; tmp holds P floats.
+// Block i of the result is sum_j outer[j, i] (S_p x_j).
+inline void rotate_forward(float* x, float* tmp, const Rotation& r) {
+  for (int i = 0; i < r.m; ++i) fwht(x + i * r.p, r.p);
+  if (r.m == 1) return;
+  for (int i = 0; i < r.m; ++i) {
+    float* o = tmp + i * r.p;
+    std::fill(o, o + r.p, 0.0f);
+    for (int j = 0; j < r.m; ++j) {
+      const float c = r.outer[j * r.m + i];
+      const float* y = x + j * r.p;
+      for (int l = 0; l < r.p; ++l) o[l] += c * y[l];
+    }
+  }
+  std::copy(tmp, tmp + r.P, x);
+}
+
 // cos and sin of 16 fp32 angles: Cody-Waite reduction by pi/2 with FMAs (exact steps for any
 // angle a position reaches), then the Cephes minimax polynomials on [-pi/4, pi/4] (about 1 ulp).
 #if KVQ_AVX512
