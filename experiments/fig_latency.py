@@ -5,7 +5,9 @@ where the method has a backend: the C++ kernels, CuPy or torch, as ``auto`` reso
 machine) and each attention shape with its contexts (smollm2_135m up to 8K, Llama-2-7B's 32×128 up
 to 32K); fp16 on the same backend is the ratio's baseline and transformers' ``DynamicCache``
 (``hf_dynamic``) the outside reference. Beside each time: bits and bytes read per step and the
-rate they were read at, next to the machine's measured copy bandwidth. Writes
+rate they were read at, next to the machine's measured copy bandwidth, and the byte-proportional
+ideal ratio (bits read / 16: what reading fewer bytes alone would give). ``v_blocks`` adds each
+AlignedKV method at those value-width blocks (``<name> v_block=<b>``). Writes
 ``fig_latency.{csv,png,pdf}``: time per step (left) and ratio to fp16 (right), one row per shape.
 ``render`` redraws the figure from the CSV alone (``make figures``), titles from results.json.
 """
@@ -58,8 +60,6 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    import dataclasses
-
     import pandas as pd
     import torch
     from hydra.core.hydra_config import HydraConfig
@@ -79,11 +79,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(cfg.device)
 
     def build(name: str):
-        method = get_method(name)
-        has_backend = "backend" in {f.name for f in dataclasses.fields(method)}
-        return method.with_params(backend=exp.backend) if has_backend else method
+        return get_method(name).on_backend(exp.backend)
 
     methods = {BASELINE: build(BASELINE), **{str(n): build(str(n)) for n in exp.methods if n != BASELINE}}
+    for name in [n for n, m in methods.items() if hasattr(m, "v_block")]:  # AlignedKV's value-width blocks
+        methods |= {f"{name} v_block={b}": methods[name].with_params(v_block=int(b)) for b in exp.get("v_blocks", [])}
     methods[HF_DYNAMIC] = None
     bandwidth = copy_bandwidth() if device == "cpu" else None
     rows = []
@@ -99,6 +99,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 {"shape": shape, "method": label, "backend": t.backend, "context": context, "ms": t.seconds * 1e3}
                 | {"ratio_to_fp16": t.seconds / base, "ratio_to_hf_dynamic": t.seconds / hf}
                 | {"bits_read": t.bits_read, "mb_read": t.bytes_read / 1e6, "gb_per_s": t.bytes_read / t.seconds / 1e9}
+                | {"ideal_x_fp16": t.bits_read / 16 if label != HF_DYNAMIC else None}
             )
     experiment = {
         "name": NAME,

@@ -9,6 +9,13 @@ match and KL on y, one line per rule — ``<rule> v_block`` lines are the block 
 labelled with its ``v_block`` — one column per context) into ``figures_dir`` and the run folder;
 ``render`` redraws it from the CSV alone (``make figures``). A point whose method equals another's
 (``v_block=1`` is ``margin=0``) is computed once and reported under both labels.
+
+Decodes run on ``backend`` (``auto``: the C++ kernels where built — the same widths as the torch
+rule, see ``kernels_cpu/README.md``). Attention time: where the model's attention shape is in
+``kvquant.analysis.timing.SHAPES``, each point's KV time of one decode step at the context
+(``decode_step_time``: synthetic K/V with log-normal channel scales and outlier channels, a random
+query, ``time_repeats`` steps, median) beside fp16's on the same backend, with the bits that step
+read and the byte-proportional ideal (fp16's time × bits read / 16); a third row of the plot.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from experiments.figures import publish, records
 from kvquant.plots import method_color, pyplot, save_figure
 
 NAME = "frontier_alignedkv"
+PRINTED = ("context", "label", "bits_read", "bits_read_k", "bits_read_v", "greedy_match", "kl", "attention_x_fp16")
 
 
 def rule_configs(cfg: DictConfig) -> list[tuple[str, str, float, Any]]:
@@ -60,8 +68,9 @@ def render(table, stem: Path) -> list[Path]:
     rules = sorted(table.rule.unique())
     positive = table.kl[table.kl > 0]
     linthresh = max(float(positive.min()) if len(positive) else 1e-6, 1e-12)  # KL is 0 at 16 bits: symlog
+    timed = "attention_x_fp16" in table and table.attention_x_fp16.notna().any()
     fig, axes = plt.subplots(
-        2, len(contexts), figsize=(5.5 * len(contexts), 7.6), squeeze=False, sharex="col", sharey="row"
+        3 if timed else 2, len(contexts), figsize=(5.5 * len(contexts), 11.2 if timed else 7.6), squeeze=False
     )
     for col, ctx in enumerate(contexts):
         for i, rule in enumerate(rules):
@@ -69,16 +78,25 @@ def render(table, stem: Path) -> list[Path]:
             style = {"marker": "os^Dv"[i % 5], "color": method_color(rule), "label": rule, "alpha": 0.85}
             axes[0][col].plot(rows.bits_read, rows.greedy_match, **style)
             axes[1][col].plot(rows.bits_read, rows.kl, **style)
+            if timed:
+                axes[2][col].plot(rows.attention_bits_read, rows.attention_x_fp16, **style)
             if rule.endswith(" v_block"):
                 for x, y, b in zip(rows.bits_read, rows.greedy_match, rows.param, strict=True):
                     axes[0][col].annotate(f"{b:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
         axes[0][col].set_title(f"context {ctx} tokens")
         axes[1][col].set_xlabel("mean bits read per K/V element (bits)")
         axes[1][col].set_yscale("symlog", linthresh=linthresh)
+        if timed:
+            xs = [8.0, 16.5]
+            axes[2][col].plot(xs, [x / 16 for x in xs], ls="--", color="gray", lw=0.8, label="ideal: bits / 16")
+            axes[2][col].axhline(1.0, color="black", lw=0.8)
+            axes[2][col].set_xlabel("bits read per element in the timed step (synthetic K/V)")
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("greedy tokens equal to fp16 (share)")
     axes[1][0].set_ylabel("KL(fp16 ‖ rule) per token (nats)")
+    if timed:
+        axes[2][0].set_ylabel("KV time of a decode step / fp16's")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), bbox_to_anchor=(0.5, -0.01), frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
@@ -92,6 +110,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     from experiments.evaluate import load
     from kvquant.analysis.relerr import relative_error_table
+    from kvquant.analysis.timing import SHAPES, decode_step_time
     from kvquant.data import wikitext2_test
     from kvquant.errors import InvalidParameterError
     from kvquant.eval.fidelity import greedy_decode
@@ -104,8 +123,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if max(exp.contexts) + exp.new_tokens > limit:
         raise InvalidParameterError(f"experiment.contexts up to {max(exp.contexts)} + {exp.new_tokens} exceed {limit}")
     ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
-    points = rule_configs(exp)
-    fp16 = get_method("fp16")
+    points = [(label, rule, x, method.on_backend(exp.backend)) for label, rule, x, method in rule_configs(exp)]
+    fp16 = get_method("fp16").on_backend(exp.backend)  # the reference on the same backend: no kernel-vs-SDPA noise
+    shape = cfg.model.name if cfg.model.name in SHAPES and exp.time_repeats else None
     rows = []
     for ctx in exp.contexts:
         prompts = [ids[i * ctx : (i + 1) * ctx] for i in range(exp.prompts)]
@@ -125,22 +145,31 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                     sums[label][key] += value
                 bar.update(1)
         bar.close()
+        timed = {}
+        if shape is not None:
+            base = decode_step_time(fp16, shape, ctx, int(exp.time_repeats), device=device)
+            for method, label in unique.items():
+                t = decode_step_time(method, shape, ctx, int(exp.time_repeats), device=device)
+                timed[label] = {
+                    "attention_ms": t.seconds * 1e3,
+                    "attention_x_fp16": t.seconds / base.seconds,
+                    "attention_bits_read": t.bits_read,
+                    "ideal_x_fp16": t.bits_read / 16,
+                    "backend": t.backend,
+                }
         for label, rule, x, method in points:
             first = unique[method]
             mean = {k: v / len(prompts) for k, v in sums[first].items()}
             row = {"context": ctx, "rule": rule, "param": x, "label": label, "greedy_match": mean.pop("match"), **mean}
             row["v_block"] = getattr(method, "v_block", None)
+            row.update(timed.get(first, {}))
             for kind in ("qk", "sv"):
                 row.update({f"{kind} {bucket}": share for bucket, share in relerr[first][kind].items()})
             rows.append(row)
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     table, _ = publish(render, NAME, pd.DataFrame(rows), out_dir, exp.figures_dir)
-    print(
-        table[["context", "label", "bits_read", "bits_read_k", "bits_read_v", "greedy_match", "kl"]].to_string(
-            index=False, float_format=lambda v: f"{v:.4f}"
-        )
-    )
+    print(table[[c for c in PRINTED if c in table]].to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     return {
         "model": model_info(model, cfg.model.name),
         "experiment": {"name": NAME, "n_points": len(table), "figures": str(Path(exp.figures_dir) / NAME)},

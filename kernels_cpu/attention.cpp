@@ -214,13 +214,13 @@ Bytes widths(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_
 
 using Opt = c10::optional<at::Tensor>;
 
-at::Tensor attend_planes(const at::Tensor& q, const Opt& k_a, const Opt& k_b, const Opt& k_c, const Opt& k_widths,
-                         const at::Tensor& tail_k, const Opt& v_a, const Opt& v_b, const Opt& v_c,
-                         const Opt& v_widths, const at::Tensor& tail_v, bool tiny_k, bool tiny_v, const Opt& mask,
-                         bool causal, double scaling) {
-  using namespace kvq;
+namespace kvq {
+
+// A PlaneStore's tensors and the key widths; the value widths are the caller's.
+PlaneArgs plane_store(int64_t B, int64_t Hkv, int64_t D, const Opt& k_a, const Opt& k_b, const Opt& k_c,
+                      const Opt& k_widths, const at::Tensor& tail_k, const Opt& v_a, const Opt& v_b, const Opt& v_c,
+                      const at::Tensor& tail_v, bool tiny_k, bool tiny_v) {
   TORCH_CHECK(tail_k.dim() == 4 && tail_v.dim() == 4, "tails must be [B, Hkv, T, D]");
-  const int64_t B = q.size(0), Hkv = tail_k.size(1), D = q.size(3);
   TORCH_CHECK(D % 8 == 0, "the plane layout needs head_dim a multiple of 8, got ", D);
   PlaneArgs a;
   a.tiny_k = tiny_k;
@@ -231,7 +231,7 @@ at::Tensor attend_planes(const at::Tensor& q, const Opt& k_a, const Opt& k_b, co
                   blocks == v_b.has_value() && blocks == v_c.has_value(),
               "planes: give all six planes or none");
   if (blocks) {
-    TORCH_CHECK(k_widths.has_value() && v_widths.has_value(), "planes: widths are needed with the planes");
+    TORCH_CHECK(k_widths.has_value(), "planes: widths are needed with the planes");
     a.ka = plane(*k_a, "k_a", B, Hkv, {D, 64});
     a.nb = k_a->size(2);
     a.kb = plane(*k_b, "k_b", B, Hkv, {D, 32});
@@ -245,14 +245,50 @@ at::Tensor attend_planes(const at::Tensor& q, const Opt& k_a, const Opt& k_b, co
                 " tokens (the key blocks'), got ", v_a->size(2));
     a.kw = widths(*k_widths, "k_widths", B, Hkv, a.nb, D);
     a.kw_c = k_widths->stride(3);
-    a.vw = widths(*v_widths, "v_widths", B, Hkv, nv, 0);
   }
-  const int64_t L = a.nb * 64 + tail_k.size(2);
-  TORCH_CHECK(a.nb * 64 + tail_v.size(2) == L, "keys cover ", L, " tokens but values ", a.nb * 64 + tail_v.size(2));
-  Problem P = problem(q, Hkv, L, mask, causal, scaling);
+  TORCH_CHECK(tail_v.size(2) == a.tail_n, "keys cover ", a.nb * 64 + a.tail_n, " tokens but values ",
+              a.nb * 64 + tail_v.size(2));
   a.tail_k = half4(tail_k, "tail_k", B, Hkv, D);
   a.tail_v = half4(tail_v, "tail_v", B, Hkv, D);
-  return planes_attention(a, P);
+  return a;
+}
+
+}  // namespace kvq
+
+at::Tensor attend_planes(const at::Tensor& q, const Opt& k_a, const Opt& k_b, const Opt& k_c, const Opt& k_widths,
+                         const at::Tensor& tail_k, const Opt& v_a, const Opt& v_b, const Opt& v_c,
+                         const Opt& v_widths, const at::Tensor& tail_v, bool tiny_k, bool tiny_v, const Opt& mask,
+                         bool causal, double scaling) {
+  using namespace kvq;
+  const int64_t B = q.size(0), Hkv = tail_k.size(1), D = q.size(3);
+  PlaneArgs a = plane_store(B, Hkv, D, k_a, k_b, k_c, k_widths, tail_k, v_a, v_b, v_c, tail_v, tiny_k, tiny_v);
+  if (a.nb) {
+    TORCH_CHECK(v_widths.has_value(), "planes: widths are needed with the planes");
+    a.vw = widths(*v_widths, "v_widths", B, Hkv, a.nb * 64, 0);
+  }
+  return planes_attention(a, problem(q, Hkv, a.nb * 64 + a.tail_n, mask, causal, scaling));
+}
+
+std::tuple<at::Tensor, at::Tensor> attend_aligned(const at::Tensor& q, const Opt& k_a, const Opt& k_b,
+                                                  const Opt& k_c, const Opt& k_widths, const at::Tensor& tail_k,
+                                                  const Opt& v_a, const Opt& v_b, const Opt& v_c,
+                                                  const at::Tensor& tail_v, bool tiny_k, bool tiny_v, const Opt& mask,
+                                                  double scaling, const at::Tensor& v8, double t12, double t8,
+                                                  int64_t topk, int64_t v_block) {
+  using namespace kvq;
+  const int64_t B = q.size(0), Hkv = tail_k.size(1), D = q.size(3);
+  PlaneArgs a = plane_store(B, Hkv, D, k_a, k_b, k_c, k_widths, tail_k, v_a, v_b, v_c, tail_v, tiny_k, tiny_v);
+  TORCH_CHECK(mask.has_value() || q.size(2) == 1, "aligned: a multi-token step needs its mask");
+  TORCH_CHECK(v8.scalar_type() == at::kFloat && v8.numel() == 256 && v8.is_contiguous(), "v8 must be 256 float32");
+  TORCH_CHECK(topk >= 1 && v_block >= 1, "topk and v_block must be >= 1");
+  AlignedRule rule;
+  rule.v8 = v8.data_ptr<float>();
+  rule.t12 = float(t12);
+  rule.t8 = float(t8);
+  rule.scaling = scaling;
+  rule.topk = topk;
+  rule.v_block = v_block;
+  return planes_aligned(a, problem(q, Hkv, a.nb * 64 + a.tail_n, mask, false, scaling), rule);
 }
 
 at::Tensor attend_kivi(const at::Tensor& q, const c10::optional<at::Tensor>& k_codes,
@@ -689,6 +725,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_kivi", &attend_kivi, "fused attention over a KIVI store");
   m.def("attend_gear", &attend_gear, "fused attention over a GEAR store");
   m.def("attend_planes", &attend_planes, "fused attention over AlignedKV's planes at given widths");
+  m.def("attend_aligned", &attend_aligned, "AlignedKV's value rule in fp64 and attention at its widths, one call");
   m.def("exponent_gaps", &exponent_gaps, "min over channels of e_o - the exponent field of plane A, per token");
   m.def("read_plane_keys", &read_plane_keys, "AlignedKV's keys read at given widths, as fp32 [B, Hkv, L, D]");
   m.attr("avx512") = bool(KVQ_AVX512);

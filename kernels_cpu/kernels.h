@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -653,6 +654,14 @@ at::Tensor higgs_attention(const HiggsArgs& a, const Problem& P);
 at::Tensor fp16_attention(const Half4& k, const Half4& v, int keep_bits, const Problem& P);
 at::Tensor planes_attention(const PlaneArgs& a, const Problem& P);
 at::Tensor planes_read_keys(const PlaneArgs& a, int64_t B, int64_t H, int D);
+// AlignedKV's value rule (kvquant.alignment.value_widths on fp64 scores) and the attention it reads.
+struct AlignedRule {
+  const float* v8 = nullptr;  // |v8| of each plane-A byte (kvquant.alignment.high_byte_values), 256
+  float t12 = 0, t8 = 0;      // value thresholds, as the fp32 values torch compares the gaps with
+  double scaling = 1.0;       // the logits' scale, in fp64 as torch multiplies fp64 logits by it
+  int64_t topk = 32, v_block = 1;
+};
+std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P, const AlignedRule& rule);
 at::Tensor planes_exponent_gaps(const int16_t* e_o, int64_t eb, int64_t eh, const Bytes& v, int64_t B, int64_t H,
                                 int64_t L, int D);
 at::Tensor gear_attention(const GearStream& k, const GearStream& v, int G, int bits, const Problem& P);

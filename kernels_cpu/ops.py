@@ -134,6 +134,63 @@ def attend_planes(
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+def attend_aligned(
+    q: torch.Tensor,
+    k_a: torch.Tensor | None,
+    k_b: torch.Tensor | None,
+    k_c: torch.Tensor | None,
+    tail_k: torch.Tensor,
+    v_a: torch.Tensor | None,
+    v_b: torch.Tensor | None,
+    v_c: torch.Tensor | None,
+    tail_v: torch.Tensor,
+    *,
+    k_widths: Widths,
+    v8: torch.Tensor,
+    v_thresholds: tuple[float, float],
+    topk: int,
+    v_block: int = 1,
+    tiny_k: bool = True,
+    tiny_v: bool = True,
+    mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AlignedKV's step in one call: ``(out, v_widths)``, the value widths decided by
+    ``kvquant.alignment.value_widths`` on fp64 scores of the keys read at ``k_widths`` (strided
+    top-``topk``, ``O_est`` by the pairwise tree, exponent gaps, ``v_block``), then attention over
+    the values read at them with those scores. ``v8``: fp32 ``[256]``, ``|v8|`` of each plane-A byte
+    (``kvquant.alignment.high_byte_values``); ``v_thresholds`` ``(t12, t8)``. The store arguments are
+    ``attend_planes``'; ``v_widths`` int32 ``[B, Hkv, nb·64]`` (the block tokens). A multi-token step
+    needs its mask (the rule reads no causal limit)."""
+    q32 = _query(q)
+    batch, heads, d = q.shape[0], tail_k.shape[1], q.shape[-1]
+    nb = 0 if k_a is None else k_a.shape[2]
+    wk = None if k_a is None else _widths(k_widths, batch, heads, nb, d)
+    length = nb * 64 + tail_k.shape[-2]
+    out, wv = module().attend_aligned(
+        q32,
+        k_a,
+        k_b,
+        k_c,
+        wk,
+        tail_k,
+        v_a,
+        v_b,
+        v_c,
+        tail_v,
+        bool(tiny_k),
+        bool(tiny_v),
+        _mask(mask, q32, length),
+        _scaling(scaling, q),
+        v8.float().contiguous(),
+        float(v_thresholds[0]),
+        float(v_thresholds[1]),
+        int(topk),
+        int(v_block),
+    )
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), wv.to(torch.int32)
+
+
 def read_plane_keys(
     k_a: torch.Tensor | None,
     k_b: torch.Tensor | None,

@@ -16,7 +16,71 @@ namespace kvq {
 namespace {
 
 constexpr int KB = 64;  // tokens per key block (kvquant.alignment.BLOCK)
-constexpr int PFB = 2;  // key blocks prefetched ahead (PF tokens)
+constexpr int32_t ZERO_EXPONENT = -1024;      // kvquant.bits.ZERO_EXPONENT: floor_log2 of 0
+constexpr int32_t NO_CONTRIBUTION = 1 << 20;  // kvquant.alignment.NO_CONTRIBUTION: the gap of an unread token
+constexpr int PFB = 2;                        // key blocks prefetched ahead (PF tokens)
+
+// kvquant.bits.floor_log2 of an fp64 value: the exponent field, frexp only for subnormals.
+inline int32_t floor_log2(double x) {
+  uint64_t bits;
+  std::memcpy(&bits, &x, 8);
+  const int32_t field = int32_t((bits >> 52) & 0x7ff);
+  if (field != 0) return field - 1023;
+  if (x == 0.0) return ZERO_EXPONENT;
+  int e;
+  std::frexp(x, &e);
+  return e - 1;
+}
+
+// out = exp(in) for in <= 0 (-inf included). AVX-512: 2^k * P(r), r = in - k ln 2 in two fma steps, P
+// the degree-13 Taylor polynomial (truncation < 5e-18 for |r| <= ln2 / 2), scaled by scalef (so
+// subnormal results round once); within a few ulp of libm's exp, as far from it as torch's own
+// vectorized exp is. Elsewhere libm's exp.
+inline void exp_nonpositive(const double* in, double* out, int64_t n) {
+#if KVQ_AVX512
+  constexpr double C[14] = {1.0,           1.0,           1.0 / 2,        1.0 / 6,         1.0 / 24,
+                            1.0 / 120,     1.0 / 720,     1.0 / 5040,     1.0 / 40320,     1.0 / 362880,
+                            1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};
+  auto exp8 = [&](__m512d v) {
+    v = _mm512_max_pd(v, _mm512_set1_pd(-746.0));  // exp(-746) rounds to 0 (and keeps -inf out of r)
+    const __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(v, _mm512_set1_pd(1.4426950408889634)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(0.6931471803691238), v);
+    r = _mm512_fnmadd_pd(k, _mm512_set1_pd(1.9082149292705877e-10), r);
+    __m512d p = _mm512_set1_pd(C[13]);
+    for (int j = 12; j >= 0; --j) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(C[j]));
+    return _mm512_scalef_pd(p, k);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm512_storeu_pd(out + i, exp8(_mm512_loadu_pd(in + i)));
+  if (i < n) {
+    const __mmask8 m = __mmask8((1u << (n - i)) - 1);
+    _mm512_mask_storeu_pd(out + i, m, exp8(_mm512_mask_loadu_pd(_mm512_setzero_pd(), m, in + i)));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = std::exp(in[i]);
+#endif
+}
+
+// Largest of x[0..n) and x[0..n) summed, each over 8 interleaved lanes so the compiler vectorizes.
+inline double max_of(const double* x, int64_t n) {
+  double m[8];
+  std::fill(m, m + 8, -INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8)
+    for (int j = 0; j < 8; ++j) m[j] = x[t + j] > m[j] ? x[t + j] : m[j];
+  for (; t < n; ++t) m[0] = x[t] > m[0] ? x[t] : m[0];
+  return *std::max_element(m, m + 8);
+}
+
+inline double sum_of(const double* x, int64_t n) {
+  double a[8] = {};
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8)
+    for (int j = 0; j < 8; ++j) a[j] += x[t + j];
+  for (; t < n; ++t) a[0] += x[t];
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
 
 // n (<= 16) token rows of values at WB bits: a row holds D bytes of A and D/2 of B and C.
 template <int NC, int WB, bool TINY>
@@ -186,10 +250,218 @@ void read_key_block(const PlaneArgs& s, int64_t b, int64_t h, int64_t j, int D, 
   }
 }
 
+// out[r*W + t] = scaling * sum_c q_r[c] * buf[c*W + t] in fp64 for NR rows and the 16 channel-major
+// buffered tokens: each buffer vector is widened once and feeds 2*NR FMA chains; with few rows the
+// channels are split over S partial sums too (S*2*NR = 8 chains in flight), added at the end.
+template <int NR>
+inline void dot_channels_f64(const float* buf, const float* const* q, int D, double scaling, double* out) {
+#if KVQ_AVX512
+  constexpr int S = NR == 1 ? 4 : NR == 2 ? 2 : 1;
+  __m512d acc[S][NR][2];
+  for (int u = 0; u < S; ++u)
+    for (int r = 0; r < NR; ++r) acc[u][r][0] = acc[u][r][1] = _mm512_setzero_pd();
+  auto step = [&](int u, int c) {
+    const __m512 x = _mm512_load_ps(buf + c * W);
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(x), 1)));
+    for (int r = 0; r < NR; ++r) {
+      const __m512d qv = _mm512_set1_pd(double(q[r][c]));
+      acc[u][r][0] = _mm512_fmadd_pd(qv, lo, acc[u][r][0]);
+      acc[u][r][1] = _mm512_fmadd_pd(qv, hi, acc[u][r][1]);
+    }
+  };
+  int c = 0;
+  for (; c + S <= D; c += S)
+    for (int u = 0; u < S; ++u) step(u, c + u);
+  for (; c < D; ++c) step(0, c);
+  const __m512d sc = _mm512_set1_pd(scaling);
+  for (int r = 0; r < NR; ++r)
+    for (int half = 0; half < 2; ++half) {
+      __m512d sum = acc[0][r][half];
+      for (int u = 1; u < S; ++u) sum = _mm512_add_pd(sum, acc[u][r][half]);
+      _mm512_storeu_pd(out + r * W + 8 * half, _mm512_mul_pd(sum, sc));
+    }
+#else
+  for (int r = 0; r < NR; ++r) {
+    double acc[W] = {};
+    for (int c = 0; c < D; ++c)
+      for (int t = 0; t < W; ++t) acc[t] += double(q[r][c]) * double(buf[c * W + t]);
+    for (int t = 0; t < W; ++t) out[r * W + t] = acc[t] * scaling;
+  }
+#endif
+}
+
+// AlignedKV's whole step for one (batch row, KV head): the rule's scores in fp64 over the keys read
+// at their widths, the value rule (strided top-k, O_est by the pairwise tree, exponent gaps, v_block),
+// then the values read at those widths and summed with the same probabilities. Every step follows
+// kvquant.alignment.value_widths on fp64 scores (AlignedLayer.decide_widths), so the widths are
+// those of the torch reference unless a score lies within ~1e-16 of a power of two.
+template <int NC>
+void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule& rule, int64_t b, int64_t h,
+                  uint8_t* wv, float* out) {
+  const int D = P.D;
+  const int64_t L = P.L, R = int64_t(P.g) * P.Q, nv = f.s.nb * KB;
+  // Kept per thread across calls: vectors of a step's size (scores of 16K tokens are 128 KiB per row)
+  // would each be a fresh mmap, page-faulted on every call.
+  thread_local std::vector<double> S, shifted, smax;
+  S.resize(static_cast<size_t>(R * L));
+  shifted.resize(static_cast<size_t>(L));
+  smax.resize(static_cast<size_t>(std::max<int64_t>(nv, 1)));
+  std::vector<const float*> q(R);
+  std::vector<int64_t> moff(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t j = r / P.Q, i = r % P.Q, hq = h * P.g + j;
+    q[r] = P.q + b * P.qb + hq * P.qh + i * P.qt;
+    moff[r] = b * P.mb + hq * P.mh + i * P.mq;
+  }
+  alignas(64) float buf[SB * DMAX];
+  auto st = f.state(P);
+  alignas(64) double dots[4 * W];
+  for (int64_t t0 = 0; t0 < L; t0 += SB) {  // logits: exact products, fp64 sums over channels
+    const int n = int(std::min<int64_t>(SB, L - t0));
+    const bool by_channel = f.keys(st, b, h, t0, n, D, buf);
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int nr = int(std::min<int64_t>(4, R - r0));
+      if (by_channel) {
+        switch (nr) {
+          case 1: dot_channels_f64<1>(buf, &q[r0], D, rule.scaling, dots); break;
+          case 2: dot_channels_f64<2>(buf, &q[r0], D, rule.scaling, dots); break;
+          case 3: dot_channels_f64<3>(buf, &q[r0], D, rule.scaling, dots); break;
+          default: dot_channels_f64<4>(buf, &q[r0], D, rule.scaling, dots); break;
+        }
+      } else {  // the fp16 tail, token-major
+        for (int r = 0; r < nr; ++r)
+          for (int t = 0; t < n; ++t) {
+            double acc = 0.0;
+            for (int c = 0; c < D; ++c) acc += double(q[r0 + r][c]) * double(buf[t * NC * W + c]);
+            dots[r * W + t] = acc * rule.scaling;
+          }
+      }
+      for (int r = 0; r < nr; ++r) {
+        double* srow = S.data() + (r0 + r) * L + t0;
+        for (int t = 0; t < n; ++t) {
+          double x = dots[r * W + t];
+          if (P.has_mask) {
+            const int64_t at = moff[r0 + r] + (t0 + t) * P.mask.st;
+            x = P.mask.b != nullptr ? (P.mask.b[at] ? x : -INFINITY) : x + double(P.mask.f[at]);
+          }
+          srow[t] = x;
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {  // softmax as torch's (exp(x - max), times 1 / sum); no key seen: zeros
+    double* srow = S.data() + r * L;
+    const double mx = max_of(srow, L);
+    if (mx == -INFINITY) {
+      std::fill(srow, srow + L, 0.0);
+      continue;
+    }
+    for (int64_t t = 0; t < L; ++t) shifted[t] = srow[t] - mx;
+    exp_nonpositive(shifted.data(), srow, L);
+    const double inv = 1.0 / sum_of(srow, L);
+    for (int64_t t = 0; t < L; ++t) srow[t] *= inv;
+  }
+  auto high = [&](int64_t t) -> const uint8_t* { return t < nv ? f.s.va.at(b, h, t) : nullptr; };
+  auto high_byte = [&](int64_t t, int c) -> uint8_t {
+    const uint8_t* row = high(t);
+    return row != nullptr ? row[c] : uint8_t(f.s.tail_v.row(b, h, t - nv)[c] >> 8);
+  };
+  // O_est per row over the strided top-k (argmax of each class t mod k, first on ties), summed by the
+  // pairwise tree of kvquant.alignment.pairwise_sum; e_o = the most demanding row's exponent.
+  const int64_t kk = std::min<int64_t>(L, rule.topk);
+  std::vector<int64_t> idx(kk);
+  std::vector<double> x(static_cast<size_t>((kk + 1) * D));
+  std::vector<int16_t> e_o(D, std::numeric_limits<int16_t>::max());
+  std::vector<int32_t> e_row(D);
+  std::vector<double> best(kk);
+  for (int64_t r = 0; r < R; ++r) {
+    const double* srow = S.data() + r * L;
+    for (int64_t j = 0; j < kk; ++j) {
+      idx[j] = j;
+      best[j] = srow[j];
+    }
+    for (int64_t t0 = kk; t0 < L; t0 += kk) {  // class j = t mod kk, scanned in token order
+      const int64_t m = std::min(kk, L - t0);
+      for (int64_t j = 0; j < m; ++j) {
+        const bool above = srow[t0 + j] > best[j];
+        best[j] = above ? srow[t0 + j] : best[j];
+        idx[j] = above ? t0 + j : idx[j];
+      }
+    }
+    for (int64_t j = 0; j < kk; ++j)
+      for (int c = 0; c < D; ++c) x[j * D + c] = srow[idx[j]] * double(rule.v8[high_byte(idx[j], c)]);
+    for (int64_t len = kk; len > 1; len = (len + 1) / 2) {
+      if (len % 2) std::fill(x.begin() + len * D, x.begin() + (len + 1) * D, 0.0);
+      for (int64_t j = 0; j < (len + 1) / 2; ++j)
+        for (int c = 0; c < D; ++c) x[j * D + c] = x[2 * j * D + c] + x[(2 * j + 1) * D + c];
+    }
+    for (int c = 0; c < D; ++c) {
+      const int32_t e = floor_log2(x[c]);
+      e_row[c] = r == 0 ? e : std::min(e_row[c], e);
+    }
+  }
+  for (int c = 0; c < D; ++c) e_o[c] = int16_t(std::clamp(e_row[c], -(1 << 14), 1 << 14) + 15);
+  std::copy(S.begin(), S.begin() + nv, smax.begin());  // per block token: the largest score of any row
+  for (int64_t r = 1; r < R; ++r)
+    for (int64_t t = 0; t < nv; ++t) smax[t] = S[r * L + t] > smax[t] ? S[r * L + t] : smax[t];
+  for (int64_t t = 0; t < nv; ++t) {  // the gap, then the width (8 / 12 / 16)
+    const uint8_t* row = high(t);
+    int16_t g = std::numeric_limits<int16_t>::max();
+    for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ((row[c] >> 2) & 0x1f)));
+    int32_t e = floor_log2(smax[t]);
+    if (e < ZERO_EXPONENT)  // a subnormal top score: the reference's max over rows counts a zero row as 2^-1024
+      for (int64_t r = 0; r < R; ++r) e = S[r * L + t] == 0.0 ? ZERO_EXPONENT : e;
+    const float gap = smax[t] == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(e);
+    wv[t] = gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16;
+  }
+  for (int64_t t0 = 0; rule.v_block > 1 && t0 < nv; t0 += rule.v_block) {  // each v_block at its widest
+    const int64_t te = std::min(nv, t0 + rule.v_block);
+    const uint8_t w = *std::max_element(wv + t0, wv + te);
+    std::fill(wv + t0, wv + te, w);
+  }
+  alignas(64) float p[NRMAX * BT];
+  alignas(64) float acc[NRMAX * DMAX];
+  for (int64_t r0 = 0; r0 < R; r0 += NRMAX) {  // values at their widths, weighted by the same scores
+    const int nr = int(std::min<int64_t>(NRMAX, R - r0));
+    std::fill(acc, acc + nr * DMAX, 0.0f);
+    for (int64_t t0 = 0; t0 < L; t0 += SB) {
+      const int n = int(std::min<int64_t>(SB, L - t0));
+      bool any = false;
+      for (int r = 0; r < nr; ++r)
+        for (int t = 0; t < n; ++t) any |= (p[r * BT + t] = float(S[(r0 + r) * L + t0 + t])) != 0.0f;
+      if (!any) continue;
+      f.values(st, b, h, t0, n, D, buf);
+      accumulate_rows<NC>(buf, n, nr, p, acc);
+    }
+    for (int r = 0; r < nr; ++r) {
+      const int64_t j = (r0 + r) / P.Q, i = (r0 + r) % P.Q, hq = h * P.g + j;
+      std::copy(acc + r * DMAX, acc + r * DMAX + D, out + ((b * P.Hq + hq) * P.Q + i) * D);
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor planes_attention(const PlaneArgs& a, const Problem& P) {
   return dispatch_nc(P.D, [&]<int NC>() { return attend<NC>(PlanesFormat<NC>{{}, a}, P); });
+}
+
+std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P, const AlignedRule& rule) {
+  const int64_t nv = a.nb * KB;
+  auto wv = at::empty({P.B, P.Hkv, nv}, at::kByte);
+  a.vw = Bytes{wv.data_ptr<uint8_t>(), P.Hkv * nv, nv, 1};
+  auto out = at::zeros({P.B, P.Hq, P.Q, int64_t(P.D)}, at::kFloat);
+  const int64_t items = P.B * P.Hkv;
+  dispatch_nc(P.D, [&]<int NC>() {
+    const PlanesFormat<NC> f{{}, a};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(items * P.L < Plan::SMALL ? 1 : at::get_num_threads())
+    for (int64_t item = 0; item < items; ++item)
+      aligned_item<NC>(f, P, rule, item / P.Hkv, item % P.Hkv, wv.data_ptr<uint8_t>() + item * nv,
+                       out.data_ptr<float>());
+    return out;
+  });
+  return {out, wv};
 }
 
 at::Tensor planes_read_keys(const PlaneArgs& a, int64_t B, int64_t H, int D) {

@@ -10,8 +10,9 @@ error it adds stays below the precision of the sum it feeds (the paper's "precis
 
 ``e`` is floor(log2|·|). A gap ``d ≥ t8`` reads 8 bits, ``d ≥ t12`` reads 12, else 16.
 When several queries share a KV head (GQA, or a multi-token chunk) the decision is made for the
-most demanding one: max ``|q|`` and max score, min ``O_est``. Kernels in ``kernels_cupy`` must
-reproduce these functions bit for bit.
+most demanding one: max ``|q|`` and max score, min ``O_est``. ``AlignedLayer`` hands the value rule
+fp64 scores (so no summation order moves a width; ``kernels_cpu.attend_aligned`` reproduces it in
+C++); the CuPy kernels compute them in fp32 and must reproduce these functions on fp32 scores.
 """
 
 from __future__ import annotations
@@ -87,14 +88,14 @@ def high_byte_values(v_high: torch.Tensor) -> torch.Tensor:
 
 
 def pairwise_sum(x: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """Sum along ``dim`` in one fixed fp32 order: adjacent pairs, zero-padded to a power of two.
+    """Sum along ``dim`` in one fixed order (fp64 stays fp64, else fp32): adjacent pairs, zero-padded.
 
     ``((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + 0))`` for 7 addends: every level is one
     elementwise IEEE add, so ``O_est`` (and so the value widths) is the same bits on any CPU or GPU,
     whatever torch's own ``sum`` order there (``kernels_cupy/sv.cu``'s ``PairwiseSum`` streams the
     same tree). The addends here are ``≥ +0``, so the padding is exact.
     """
-    x = x.float()
+    x = x if x.dtype == torch.float64 else x.float()
     dim = dim % x.dim()
     if x.shape[dim] == 0:
         return x.sum(dim)
@@ -122,7 +123,9 @@ def value_widths(
 ) -> torch.Tensor:
     """Bits to read per (batch, KV head, token).
 
-    ``scores``: attention probabilities ``[b, q_heads, q_len, L]``; ``v_high``: plane A of every
+    ``scores``: attention probabilities ``[b, q_heads, q_len, L]`` (fp64 — as ``AlignedLayer`` computes
+    them, so that no BLAS summation order moves a width — or fp32, as the CuPy kernels do; ``O_est`` is
+    summed in the same precision); ``v_high``: plane A of every
     value ``[b, kv_heads, L, d]`` (uint8). Only plane A is used, as a kernel would: ``e(|v8|)`` is
     its exponent field, with zeros and subnormals counted as 2^-15 (an upper bound). ``gaps``
     computes ``exponent_gaps`` (``kernels_cpu.exponent_gaps`` does it in one C++ pass).
@@ -130,11 +133,11 @@ def value_widths(
     b, hq, q_len, n = scores.shape
     hkv, d = v_high.shape[1], v_high.shape[-1]
     groups = hq // hkv
-    s = scores.float().reshape(b, hkv, groups * q_len, n)
+    s = (scores if scores.dtype == torch.float64 else scores.float()).reshape(b, hkv, groups * q_len, n)
     idx = strided_topk_indices(s, topk)  # [b, hkv, G·q, k]
     top_s = s.gather(-1, idx)
     rows = v_high.gather(2, idx.reshape(b, hkv, -1, 1).expand(-1, -1, -1, d))
-    top_v = high_byte_values(rows).view(b, hkv, groups * q_len, -1, d)
+    top_v = high_byte_values(rows).to(s.dtype).view(b, hkv, groups * q_len, -1, d)
     o_est = pairwise_sum(top_s.unsqueeze(-1) * top_v, dim=-2)  # [b, hkv, G·q, d], a fixed order
     # e(O_est[c]) − e(v8[j, c]) = (e(O_est[c]) + 15) − exponent_field[j, c]
     e_o = floor_log2(o_est).amin(dim=2).clamp(-(2**14), 2**14).to(torch.int16) + 15  # most demanding query

@@ -111,6 +111,7 @@ def high_byte_exponent(a: torch.Tensor) -> torch.Tensor:
 
 
 def floor_log2(x: torch.Tensor) -> torch.Tensor:
-    """floor(log2|x|) per element (int32); ``ZERO_EXPONENT`` for zeros."""
-    _, e = torch.frexp(x.float())
+    """floor(log2|x|) per element (int32); ``ZERO_EXPONENT`` for zeros. fp64 stays fp64 (rounding it to
+    fp32 first could carry a value just below a power of two up to it)."""
+    _, e = torch.frexp(x if x.dtype == torch.float64 else x.float())
     return torch.where(x == 0, ZERO_EXPONENT, e.to(torch.int32) - 1)

@@ -26,8 +26,9 @@ With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on 
 - ``vb1``: the paper's widths, as ``AlignedLayer.decide_widths`` (the torch rules) chooses them for
   the store and the query; ``vb8``/``vb16``/``vb64``: the same with value widths per block of that
   many tokens (``v_block``). Each gives ``bits`` (mean bits read per K/V element, the fp16 tail at 16;
-  the rule's metadata not counted), ``x`` (time / fused fp16) and ``id`` (the byte-proportional ideal,
-  bits / 16); ``rule``: the torch rules' own time per step (ms), which ``backend=cpu`` adds to ``vb*``.
+  the rule's metadata not counted), ``x`` (``attend_planes`` at those widths: time / fused fp16), ``st``
+  (the whole step as ``backend=cpu`` runs it, ``kernels_cpu.attend_aligned``: the value rule on fp64
+  scores, then the attention; time / fused fp16) and ``id`` (the byte-proportional ideal, bits / 16).
 
 K/V are synthetic with the statistics the rules react to: per-channel key scales (log-uniform over
 four binades, four outlier channels eight times larger), attention logits of standard deviation
@@ -55,6 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import kernels_cpu  # noqa: E402
+from kvquant.methods.alignedkv import V8_MAGNITUDES  # noqa: E402
 
 SHAPES = {"9q/3kv x 64": (9, 3, 64), "32q/32kv x 128": (32, 32, 128)}
 GROUP, RESIDUAL = 32, 128
@@ -238,18 +240,19 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
         wk, wv = rule_widths(q, store, hq, hkv, d, v_block)
         bits[v_block] = bits_read(store, wk, wv)
         fns[f"vb{v_block}"] = lambda wk=wk, wv=wv: kernels_cpu.attend_planes(q, **args, k_widths=wk, v_widths=wv)
-    fns["rule"] = lambda: rule_widths(q, store, hq, hkv, d, 1)
+        fns[f"st{v_block}"] = lambda wk=wk, v_block=v_block: kernels_cpu.attend_aligned(
+            q, **args, k_widths=wk, v8=V8_MAGNITUDES, v_thresholds=(4, 8), topk=32, v_block=v_block
+        )
     t = interleaved_ms(fns, repeats, flush)
     row = f" {t['fp16']:>7.2f}" + "".join(f" {t[f'u{w}'] / t['fp16']:>5.2f}" for w in (8, 12, 16))
-    for v_block in V_BLOCKS:
-        row += f" {bits[v_block]:>5.2f} {t[f'vb{v_block}'] / t['fp16']:>5.2f} {bits[v_block] / 16:>5.2f}"
-    return row + f" {t['rule']:>7.2f}"
+    for b in V_BLOCKS:
+        row += f" {bits[b]:>5.2f} {t[f'vb{b}'] / t['fp16']:>5.2f} {t[f'st{b}'] / t['fp16']:>5.2f} {bits[b] / 16:>5.2f}"
+    return row
 
 
 def planes_header() -> str:
     head = f"{'shape':<15} {'ctx':>6} {'fp16':>7} {'u8':>5} {'u12':>5} {'u16':>5}"
-    head += "".join(f" {'bits':>5} {f'vb{b}':>5} {'id':>5}" for b in V_BLOCKS)
-    return head + f" {'rule':>7}"
+    return head + "".join(f" {'bits':>5} {f'vb{b}':>5} {f'st{b}':>5} {'id':>5}" for b in V_BLOCKS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     caches = "cold" if args.cold else "warm"
     print(f"# {cpu}; {args.threads} thread(s); {caches} caches; memcpy {bandwidth:.1f} GB/s, read {read:.1f} GB/s")
     if args.planes:
-        print(f"# medians of {args.repeats} interleaved rounds; fp16, rule: ms; the rest: time / fp16; id = bits / 16")
+        print(f"# medians of {args.repeats} interleaved rounds; fp16: ms; the rest: time / fp16; id = bits / 16")
         print(planes_header())
         for shape in args.shapes.split(","):
             hq, hkv, d = SHAPES[shape.strip()]

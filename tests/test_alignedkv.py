@@ -302,7 +302,7 @@ def test_layer_value_widths_are_the_block_max_of_the_paper_rule(stories):
     query = torch.randn(1, model.config.num_attention_heads, 1, 8, generator=gen)
     keys, wk, paper = layer.decide_widths(query, None, 8**-0.5)
     store = layer.store
-    scores = _scores(query, keys.float(), None, 8**-0.5)
+    scores = _scores(query, keys, None, 8**-0.5, None, torch.float64)
     own = value_widths(scores, store.value_high_bytes(), layer.method.v_thresholds)[:, :, : store.n_full]
     assert torch.equal(paper, own) and paper.shape[-1] == 192 and set(paper.unique().tolist()) >= {8, 16}
     for v_block in (8, 16, 64):

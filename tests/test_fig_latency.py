@@ -18,10 +18,13 @@ def test_latency_rows_and_ratios(tmp_path):
         "experiment.repeats=1",
         "experiment.backend=torch",
         "experiment.methods=[alignedkv,truncation,kivi2]",
+        "experiment.v_blocks=[64]",
     )
     rows = list(csv.DictReader(open(fig / "fig_latency.csv")))
     assert [(r["method"], r["context"]) for r in rows] == [
-        (m, c) for c in ("128", "320") for m in ("fp16", "alignedkv", "truncation", "kivi2", "hf_dynamic")
+        (m, c)
+        for c in ("128", "320")
+        for m in ("fp16", "alignedkv", "truncation", "kivi2", "alignedkv v_block=64", "hf_dynamic")
     ]
     assert all(float(r["ms"]) > 0 and r["backend"] == "torch" for r in rows)
     assert all(float(r["ratio_to_fp16"]) == 1.0 for r in rows if r["method"] == "fp16")
@@ -33,7 +36,13 @@ def test_latency_rows_and_ratios(tmp_path):
         assert float(by["fp16", c]["mb_read"]) == pytest.approx(2 * elements / 1e6)
         assert float(by["hf_dynamic", c]["mb_read"]) == pytest.approx(4 * elements / 1e6)
         assert float(by["truncation", c]["bits_read"]) == 13.0
-        assert 8.0 < float(by["alignedkv", c]["bits_read"]) < 16.5
+        assert 8.0 < float(by["alignedkv", c]["bits_read"]) <= float(by["alignedkv v_block=64", c]["bits_read"]) < 16.5
+    for r in rows:  # the byte-proportional ideal: bits read / 16 (none for DynamicCache's fp32)
+        assert (
+            r["ideal_x_fp16"] == ""
+            if r["method"] == "hf_dynamic"
+            else float(r["ideal_x_fp16"]) == pytest.approx(float(r["bits_read"]) / 16)
+        )
     assert float(by["kivi2", "320"]["bits_read"]) < 16  # 320 tokens: 192 of them quantized
     results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
     check_agrees(read_table(fig / "fig_latency.csv"), results["table"], "fig_latency")

@@ -3,6 +3,7 @@
 import csv
 import json
 
+import pytest
 from conftest import run_experiment
 
 from experiments.figures import check_agrees, read_table
@@ -46,6 +47,10 @@ def test_frontier_writes_csv_and_plot(tmp_path):
     assert float(rows["truncation keep=9"]["bits_read"]) == 9.0
     for label in ("alignedkv margin=0", "alignedkv_plus margin=0"):
         assert float(rows[label]["bits_read"]) < float(rows[label.replace("=0", "=2")]["bits_read"]) < 16.5
+    for row in rows.values():  # one timed decode step per point on stories260k's shape, beside fp16's
+        assert float(row["attention_ms"]) > 0 and row["backend"] in ("cpu", "torch")
+        assert float(row["ideal_x_fp16"]) == pytest.approx(float(row["attention_bits_read"]) / 16)
+    assert float(rows["truncation keep=16"]["attention_bits_read"]) == 16.0
     assert (fig / "frontier_alignedkv.png").stat().st_size > 10_000 and (fig / "frontier_alignedkv.pdf").is_file()
     results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
     check_agrees(read_table(fig / "frontier_alignedkv.csv"), results["table"], "frontier_alignedkv")

@@ -281,6 +281,55 @@ def test_planes_match_the_torch_reader(built, threads, shape, tiny):
     assert_close(out, ref)
 
 
+@pytest.mark.parametrize("tiny", [True, False], ids=["tiny", "normal"])
+@pytest.mark.parametrize("shape", PLANE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_aligned_rule_decides_the_torch_rules_widths(built, threads, shape, tiny):
+    """``attend_aligned`` (the value rule in C++ on fp64 scores, then attention at its widths) against
+    the torch rule on the same keys: the same value widths, token for token, for topk below and above
+    the context, fractional thresholds, ``v_block`` 1 and 16, bool and additive masks; the output equals
+    fp64 attention over the values read at those widths."""
+    from kvquant.alignment import block_widths, high_byte_values, value_widths
+    from kvquant.methods.alignedkv import _scores
+
+    b, hq, hkv, q_len, length, d, blockwise = shape
+    store = plane_store(b, hkv, length, d, tiny, blockwise, seed=length + d)
+    nb = store.n_full // 64
+    wk = random_widths(b, hkv, nb, d, seed=1) if blockwise else random_widths(b, hkv, d, seed=1)
+    q = torch.randn(b, hq, q_len, d, generator=torch.Generator().manual_seed(3)) * 2
+    bool_mask = causal_padding_mask(b, q_len, length, [min(i * 7, length - q_len) for i in range(b)])
+    float_mask = torch.zeros(bool_mask.shape).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
+    v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
+    keys = store.read_keys(wk, torch.float32)
+    seen = set()
+    for mask, topk, thresholds, v_block in (
+        (bool_mask, 32, (4.0, 8.0), 1),
+        (float_mask, 5, (4.7, 9.3), 16),
+        (bool_mask, length + 3, (2.0, 2.0), 1),
+    ):
+        scores = _scores(q, keys, mask, d**-0.5, None, torch.float64)
+        paper = value_widths(scores, store.value_high_bytes(), thresholds, topk)[:, :, : store.n_full]
+        expected = block_widths(paper, v_block)
+        out, wv = kernels_cpu.attend_aligned(
+            q,
+            **kernels_cpu.plane_tensors(store),
+            k_widths=wk,
+            v8=v8,
+            v_thresholds=thresholds,
+            topk=topk,
+            v_block=v_block,
+            mask=mask,
+        )
+        assert wv.dtype == torch.int32 and torch.equal(wv, expected)
+        assert_close(out, reference(q, keys, store.read_values(expected, torch.float32), mask))
+        seen |= set(wv.unique().tolist())
+    assert nb == 0 or len(seen) >= 2
+    if q_len > 1:
+        with pytest.raises(RuntimeError, match="a multi-token step needs its mask"):
+            kernels_cpu.attend_aligned(
+                q, **kernels_cpu.plane_tensors(store), k_widths=wk, v8=v8, v_thresholds=(4, 8), topk=32
+            )
+
+
 def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
     """All 63,488 finite fp16 patterns as values (31 whole blocks of 32 channels) at 8, 12 and 16 bits,
     each query row seeing one value: the output is that value as the kernel read it, bit for bit."""

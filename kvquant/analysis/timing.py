@@ -31,6 +31,7 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
     "smollm2_135m": (9, 3, 64),
     "llama2_7b": (32, 32, 128),
     "llama3.1_8b": (32, 8, 128),
+    "stories260k": (8, 4, 8),
 }
 HF_DYNAMIC = "hf_dynamic"
 

@@ -28,6 +28,7 @@ from kvquant.alignment import (
     block_widths,
     check_thresholds,
     exponent_gaps,
+    high_byte_values,
     key_widths,
     value_widths,
 )
@@ -39,17 +40,31 @@ from kvquant.errors import InvalidParameterError
 from kvquant.methods.base import KVMethod, register_method
 
 WIDTHS = (8, 12, 16)
+V8_MAGNITUDES = high_byte_values(torch.arange(256, dtype=torch.uint8))
+"""``|v8|`` of every plane-A byte: the value rule's table for ``kernels_cpu.attend_aligned``."""
+FUSED_SCORE_BYTES = 1 << 28
+"""Most fp64 scores (query rows × tokens × 8 bytes, per KV head) ``attend_aligned`` holds at once."""
 
 
 def _scores(
-    query: torch.Tensor, keys: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    attention_mask,
+    scaling: float,
+    softcap: float | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Attention probabilities (fp32) ``[b, q_heads, q_len, L]`` of ``query`` over ``keys`` (fp32):
-    logits scaled, soft-capped (``tanh(x/softcap)·softcap``, Gemma-2), then the mask applied."""
+    """Attention probabilities ``[b, q_heads, q_len, L]`` in ``dtype`` of ``query`` over ``keys``:
+    logits scaled, soft-capped (``tanh(x/softcap)·softcap``, Gemma-2), then the mask applied.
+
+    The width rules take them in fp64: a product of an fp32 query element and an fp16 key is exact
+    there and a sum of ``head_dim`` of them is off by ~1e-16, so a width moves only when a score lies
+    that close to a power of two — any BLAS order, thread count or kernel (``kernels_cpu``'s rule)
+    decides the same widths, where fp32 sums in different orders would move one now and then."""
     b, hq, q_len, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
-    grouped = query.float().reshape(b, hkv, (hq // hkv) * q_len, d)  # GQA without copying K
-    logits = (torch.matmul(grouped, keys.transpose(-1, -2)) * scaling).view(b, hq, q_len, n)
+    grouped = query.to(dtype).reshape(b, hkv, (hq // hkv) * q_len, d)  # GQA without copying K
+    logits = (torch.matmul(grouped, keys.to(dtype).transpose(-1, -2)) * scaling).view(b, hq, q_len, n)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     if attention_mask is not None:
@@ -141,18 +156,23 @@ class AlignedLayer(KVLayer):
         """Tokens a sliding layer has dropped (whole blocks that fell out of its window)."""
         return self.seen - self.store.n_tokens
 
+    def key_widths(self, query: torch.Tensor) -> torch.Tensor:
+        """The key rule (integer exponent arithmetic): per column, or per (block, column) for AlignedKV+."""
+        store, method = self.store, self.method
+        k_thresholds = method.thresholds_for(method.k_thresholds, query.shape[-1])
+        if method.blockwise and store.k_exp is not None:
+            return block_key_widths(query, store.k_absmax, store.k_exp, k_thresholds)
+        return key_widths(query, store.k_absmax, k_thresholds)
+
     def decide_widths(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None = None):
         """The rules for this step: ``(keys, wk, wv)``, ``keys`` as read at ``wk`` (the value rule's
         scores come from them) and ``wv`` the widths of the block tokens attention sees, raised to the
-        widest of each ``v_block`` (counted from the store's first token). On the cpu backend
-        ``kernels_cpu`` reads the keys and takes the value rule's per-token exponent gaps, bit for bit
-        as the torch code does; the arithmetic (scores, top-k, ``O_est``) stays torch's."""
+        widest of each ``v_block`` (counted from the store's first token). The scores are fp64 (see
+        ``_scores``). On the cpu backend a decode step uses ``kernels_cpu.attend_aligned`` instead; here,
+        its fallback, ``kernels_cpu`` reads the keys and takes the per-token exponent gaps, bit for bit as
+        the torch code does."""
         store, method, first = self.store, self.method, self.first_visible
-        k_thresholds = method.thresholds_for(method.k_thresholds, query.shape[-1])
-        if method.blockwise and store.k_exp is not None:
-            wk = block_key_widths(query, store.k_absmax, store.k_exp, k_thresholds)
-        else:
-            wk = key_widths(query, store.k_absmax, k_thresholds)
+        wk = self.key_widths(query)
         gaps = exponent_gaps
         if self.backend == "cpu":  # the same bits and integers as read_keys and exponent_gaps, in C++
             ops = get_backend("cpu").ops
@@ -160,7 +180,7 @@ class AlignedLayer(KVLayer):
             keys, gaps = keys[:, :, first:].to(query.dtype), ops.exponent_gaps
         else:
             keys = store.read_keys(wk, query.dtype)[:, :, first:]
-        scores = _scores(query, keys.float(), attention_mask, scaling, softcap)
+        scores = _scores(query, keys, attention_mask, scaling, softcap, torch.float64)
         v_thresholds = method.thresholds_for(method.v_thresholds, self.visible)
         wv_all = value_widths(scores, store.value_high_bytes()[:, :, first:], v_thresholds, method.topk, gaps)
         wv = block_widths(wv_all[:, :, : max(0, store.n_full - first)], method.v_block, first)
@@ -191,20 +211,47 @@ class AlignedLayer(KVLayer):
         return stock_attention(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     def _attend_cpu(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
-        """The widths from the torch rules, then ``kernels_cpu`` attends over the planes at them."""
-        _, wk, wv = self.decide_widths(query, attention_mask, scaling)
-        self._record(wk, wv)
-        ops, n = get_backend("cpu").ops, self.store.n_tokens
+        """``kernels_cpu.attend_aligned``: the value rule on fp64 scores and the attention in one C++ call
+        (the key widths are a few integer ops in torch). Where that call cannot stand in for the torch
+        rule exactly — a bf16 query (the rule reads keys in the query's dtype), a multi-token step
+        without a mask, a sliding view, or scores too large to hold — the torch rule decides and
+        ``attend_planes`` reads."""
+        store, method = self.store, self.method
+        ops, n = get_backend("cpu").ops, store.n_tokens
         mask = attention_mask[..., :n] if attention_mask is not None else None
-        out = ops.attend_planes(
+        q_rows = query.shape[1] * query.shape[2]
+        fused = (
+            query.dtype in (torch.float32, torch.float16)
+            and (mask is not None or query.shape[2] == 1)
+            and self.first_visible == 0
+            and 8 * q_rows * n <= FUSED_SCORE_BYTES
+        )
+        if not fused:
+            _, wk, wv = self.decide_widths(query, attention_mask, scaling)
+            self._record(wk, wv)
+            out = ops.attend_planes(
+                query,
+                **ops.plane_tensors(store),
+                k_widths=wk,
+                v_widths=wv,
+                mask=mask,
+                scaling=scaling,
+                causal=mask is None and query.shape[2] > 1,
+            )
+            return out.transpose(1, 2).contiguous()
+        wk = self.key_widths(query)
+        out, wv = ops.attend_aligned(
             query,
-            **ops.plane_tensors(self.store),
+            **ops.plane_tensors(store),
             k_widths=wk,
-            v_widths=wv,
+            v8=V8_MAGNITUDES,
+            v_thresholds=method.thresholds_for(method.v_thresholds, self.visible),
+            topk=method.topk,
+            v_block=method.v_block,
             mask=mask,
             scaling=scaling,
-            causal=mask is None and query.shape[2] > 1,
         )
+        self._record(wk, wv)
         return out.transpose(1, 2).contiguous()
 
     def _record(self, wk: torch.Tensor, wv: torch.Tensor) -> None:

@@ -67,6 +67,11 @@ class KVMethod(ABC):
         object.__setattr__(new, "name", self.name)
         return new
 
+    def on_backend(self, backend: str) -> KVMethod:
+        """This method on ``backend`` where it has a ``backend`` parameter; itself where it has none."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        return self.with_params(backend=backend) if "backend" in fields else self
+
     def analytic_bits(self, geometry: KVGeometry | None = None) -> float | None:
         """Bits per stored element by formula, where the method has one (reported beside the measured)."""
         return None
