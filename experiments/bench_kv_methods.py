@@ -12,7 +12,11 @@ feeds ``profile_steps`` single-token K/V into all layers (cache work only, no mo
 bucket of steps, the median and max step time as ratios to fp16's. A flat median ratio means per-step
 work grows only like fp16's own read of the history; the max shows the periodic block flushes.
 A method entry ``name@backend`` (``kivi2@cpu``) times that method on that backend; the baseline is
-kvquant's fp16 cache on the torch path. (Formerly ``scripts/bench_kv_methods.py``.) ``render``
+kvquant's fp16 cache on the torch path. AQUA-KV entries add a floor row (``aquakv_floor``): DynamicCache's
+step plus the predictors' matmuls over the history (the method's own weights, so the same shapes, on
+the tokens coded at the middle decode step), timed in the same repeats; ``ratio_floor`` is each row's
+time over it (AQUA-KV's predictors must run over the whole history every step, so no AQUA-KV step
+can beat it). (Formerly ``scripts/bench_kv_methods.py``.) ``render``
 writes ``bench_kv_methods.md`` from the CSV.
 """
 
@@ -32,6 +36,7 @@ from experiments.figures import publish_table
 NAME = "bench_kv_methods"
 BASELINE = "fp16"
 HF = "hf_dynamic"
+FLOOR = "_floor"
 
 
 def context_ids(tokenizer, n: int) -> torch.Tensor:
@@ -59,15 +64,45 @@ def filled_cache(make: Callable[[], Any], kv: list[tuple[torch.Tensor, torch.Ten
     return cache
 
 
-def decode_times(model, kv, last: torch.Tensor, methods: dict, new_tokens: int, repeats: int) -> dict[str, float]:
-    """Median seconds per decode step for each cache (None: transformers' DynamicCache), interleaved."""
+def predictor_matmuls(method, model, history: int) -> Callable[[], float] | None:
+    """A timer of what AQUA-KV's predictors cost per decode step at ``history`` coded tokens: for every
+    layer with predictors, ``[n, C] @ W_k`` and ``[n, 2C] @ W_v`` (+ bias; the method's own weights, so
+    the same shapes) over random rows; returns seconds per call. None for a method without predictors."""
+    if getattr(method, "predict", "none") == "none":
+        return None
+    pred = method.load_predictors(model)
+    gen = torch.Generator().manual_seed(0)
+    weights = (*pred.k.values(), *pred.v.values())
+    pairs = [(torch.randn(max(history, 1), w.shape[0], generator=gen), w, b) for w, b in weights]
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for x, w, b in pairs:
+            torch.addmm(b, x, w)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def floor_name(label: str) -> str:
+    """The floor row of an AQUA-KV entry (``aquakv@cpu`` → ``aquakv_floor``: one per registry name)."""
+    return f"{label.partition('@')[0]}{FLOOR}"
+
+
+def decode_times(
+    model, kv, last: torch.Tensor, methods: dict, new_tokens: int, repeats: int, floors: dict | None = None
+) -> dict[str, float]:
+    """Median seconds per decode step for each cache (None: transformers' DynamicCache), interleaved;
+    with ``floors`` (``{floor name: predictor_matmuls timer}``) each floor is DynamicCache's step plus
+    the median of its predictor matmuls, timed in the same repeats."""
     from transformers import DynamicCache
 
     from kvquant.eval.fidelity import greedy_decode
     from kvquant.methods import get_method
 
     fp16 = get_method(BASELINE)
-    times: dict[str, list[float]] = {name: [] for name in methods}
+    floors = floors or {}
+    times: dict[str, list[float]] = {name: [] for name in (*methods, *floors)}
     for rep in range(repeats + 1):
         for name, method in methods.items():
             with (method or fp16).attach(model):
@@ -75,7 +110,14 @@ def decode_times(model, kv, last: torch.Tensor, methods: dict, new_tokens: int, 
                 run = greedy_decode(model, last, filled_cache(make, kv), new_tokens)
             if rep:
                 times[name].append(run.decode_s / (new_tokens - 1))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+        for name, timer in floors.items():
+            spent = statistics.median(timer() for _ in range(new_tokens - 1))
+            if rep:
+                times[name].append(spent)
+    out = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in floors:
+        out[name] += out[HF]
+    return out
 
 
 def step_profile(kv, methods: dict, model, steps: int, bucket: int, seed: int = 0) -> dict[str, list[tuple]]:
@@ -113,18 +155,28 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
     exp = results.get("experiment", {})
     title = ", ".join(str(x) for x in (results.get("model", {}).get("name"), results.get("env", {}).get("device")) if x)
     decode = table[table.part == "decode"]
+    floors = "ratio_floor" in decode and bool(decode.ratio_floor.notna().any())
     lines = [
         f"## Decode step vs fp16{': ' + title if title else ''} ({exp.get('new_tokens', '?')} greedy tokens, "
         f"median of {exp.get('repeats', '?')} interleaved repeats, torch threads: {exp.get('threads', '?')})",
         "",
-        f"| context | cache | ms/step | × fp16 | × {HF} |",
-        "|---|---|---|---|---|",
+        f"| context | cache | ms/step | × fp16 | × {HF} |" + (" × floor |" if floors else ""),
+        "|---|---|---|---|---|" + ("---|" if floors else ""),
     ]
     for r in decode.to_dict(orient="records"):
+        floor = r.get("ratio_floor")
+        cell = f" {floor:.2f} |" if isinstance(floor, float) and floor == floor else " – |"
         lines.append(
             f"| {int(r['context'])} | {r['cache']} | {r['ms_per_step']:.2f} | {r['ratio_fp16']:.2f} "
-            f"| {r['ratio_hf_dynamic']:.2f} |"
+            f"| {r['ratio_hf_dynamic']:.2f} |" + (cell if floors else "")
         )
+    if floors:
+        lines += [
+            "",
+            f"`<method>{FLOOR}`: DynamicCache's step plus that AQUA-KV method's predictor matmuls over the history "
+            "(its own weights, the coded tokens at the middle step), timed in the same run: what no AQUA-KV step "
+            "can beat; `× floor` is a row's time over it.",
+        ]
     lines += [f"| – | {label} | skipped: {reason} |" for label, reason in (exp.get("skipped") or {}).items()]
     profile = table[table.part == "profile"]
     if len(profile):
@@ -175,11 +227,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for ctx in tqdm(contexts, desc=NAME, disable=not cfg.progress):
         ids = context_ids(tokenizer, ctx)
         kv = capture_kv(model, ids[:-1])
-        step = decode_times(model, kv, ids[-1:], methods, int(exp.new_tokens), int(exp.repeats))
+        floors = {}
+        for name, method in built.items():  # AQUA-KV's floor: coded tokens at the middle decode step
+            history = ctx + int(exp.new_tokens) // 2 - getattr(method, "sink", 0) - getattr(method, "window", 0)
+            timer = predictor_matmuls(method, model, history)
+            if timer is not None:
+                floors.setdefault(floor_name(name), timer)
+        step = decode_times(model, kv, ids[-1:], methods, int(exp.new_tokens), int(exp.repeats), floors)
         for name, s in step.items():
+            floor = step.get(name if name in floors else floor_name(name))  # AQUA-KV rows and their floor
             rows.append(
                 {"part": "decode", "context": ctx, "cache": name, "ms_per_step": 1e3 * s}
                 | {"ratio_fp16": s / step[BASELINE], "ratio_hf_dynamic": s / step[HF]}
+                | ({"ratio_floor": s / floor} if floor is not None else {})
             )
         if exp.profile_steps and ctx == contexts[0]:
             bucket = int(exp.bucket)

@@ -9,7 +9,8 @@ in chunks of ``chunk_size`` tokens and decodes one token. Per row:
   codes, scales, windows, growth slack, working buffers it keeps);
 - ``step_peak_mib``: the most bytes the decode step's ops had allocated at once (``StepPeak``): the
   transient of re-expanding a history to fp32, of dequantizing, of attention — and the model's own
-  activations, which every method shares;
+  activations, which every method shares — plus the per-forward workspaces a kernel path reuses
+  (``transient_bytes``: AQUA-KV's reconstruction buffers, overwritten every forward);
 - ``total_mib`` = held before the step + step peak, and its ratio to fp16's at the same context;
 - ``rss_over_model_mib``: the process's peak resident memory minus the model-only baseline (prefill
   included; allocator behaviour included: what a user's ``top`` would show).
@@ -49,7 +50,7 @@ def measure(model_name: str, entry: str, contexts: list[int], chunk_size: int, t
     from transformers import DynamicCache
 
     from experiments.bench_kv_methods import context_ids, method_spec
-    from kvquant.analysis.memory import StepPeak, held_bytes
+    from kvquant.analysis.memory import StepPeak, held_bytes, transient_bytes
     from kvquant.errors import KvquantError
     from kvquant.methods import get_method
     from kvquant.models import load_model
@@ -79,6 +80,7 @@ def measure(model_name: str, entry: str, contexts: list[int], chunk_size: int, t
             held_before = held_bytes(cache)
             with StepPeak() as peak:
                 model(input_ids=ids[None, context : context + 1], past_key_values=cache, use_cache=True)
+            transient = transient_bytes(cache)  # a kernel path's per-forward workspace, alive the whole step
         stats = cache.stats() if hasattr(cache, "stats") else {}
         rows.append(
             {
@@ -86,8 +88,8 @@ def measure(model_name: str, entry: str, contexts: list[int], chunk_size: int, t
                 "status": "ok",
                 "context": context,
                 "held_mib": held_bytes(cache) / MIB,
-                "step_peak_mib": peak.peak / MIB,
-                "total_mib": (held_before + peak.peak) / MIB,
+                "step_peak_mib": (peak.peak + transient) / MIB,
+                "total_mib": (held_before + peak.peak + transient) / MIB,
                 "rss_over_model_mib": (_peak_rss() - baseline) / MIB,
                 "bits_stored": stats.get("bits_stored", 32.0 if method is None else float("nan")),
                 "backend": getattr(cache, "backend", None) or "torch",

@@ -1,5 +1,5 @@
-"""Fused C++ CPU attention over kvquant's stored K/V formats (fp16, KIVI, GEAR, AlignedKV planes, HIGGS), built once
-into the user cache.
+"""Fused C++ CPU attention over kvquant's stored K/V formats (fp16, KIVI, GEAR, AlignedKV planes, HIGGS,
+AQUA-KV), built once into the user cache.
 
 ``python -m kernels_cpu build`` compiles them (``make setup`` does); afterwards importing this
 package only loads the built library. Nothing here raises at import: ``status()`` returns
@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from kernels_cpu.loader import Status, build, build_dir, status
 from kernels_cpu.ops import (
+    aquakv_encode,
+    aquakv_reconstruct,
+    aquakv_tensors,
     attend_aligned,
+    attend_aquakv,
     attend_fp16,
     attend_gear,
     attend_higgs,
@@ -28,6 +32,10 @@ from kernels_cpu.ops import (
 
 __all__ = [
     "Status",
+    "aquakv_encode",
+    "aquakv_reconstruct",
+    "aquakv_tensors",
+    "attend_aquakv",
     "attend_fp16",
     "attend_gear",
     "attend_higgs",

@@ -1,5 +1,5 @@
-// Python bindings: argument checks, then the format's kernel (fp16.cpp, kivi.cpp, gear.cpp, planes.cpp, higgs.cpp;
-// driver in kernels.h).
+// Python bindings: argument checks, then the format's kernel (fp16.cpp, kivi.cpp, gear.cpp, planes.cpp, higgs.cpp,
+// aquakv.cpp; driver in kernels.h).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // at::Tensor casters without all of torch/extension.h
 
@@ -491,8 +491,236 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
   return higgs_attention(a, P);
 }
 
+namespace kvq {
+
+// A HIGGS quantizer's tensors and one side's codes/scales [B, n, *] over rows of `channels` values.
+HiggsRowsArgs higgs_quantizer(const at::Tensor& grid, const at::Tensor& signs, const at::Tensor& outer,
+                              int64_t code_bits, int64_t group, int64_t channels) {
+  TORCH_CHECK(code_bits == 4 || code_bits == 6 || code_bits == 8, "aquakv: code_bits must be 4, 6 or 8, got ",
+              code_bits);
+  HiggsRowsArgs c;
+  c.bits = int(code_bits);
+  c.group = int(group);
+  c.channels = channels;
+  TORCH_CHECK(group >= 1 && group <= channels, "aquakv: group ", group, " must be in 1..", channels);
+  c.groups = (channels + group - 1) / group;
+  TORCH_CHECK(signs.dim() == 1 && outer.dim() == 2, "aquakv: signs must be [P], outer [m, m]");
+  c.P = int(signs.size(0));
+  c.signs = floats(signs, "signs", {c.P});
+  c.m = int(outer.size(0));
+  c.outer = floats(outer, "outer", {c.m, c.m});
+  TORCH_CHECK(c.P >= group && c.P % c.m == 0 && c.P % 2 == 0, "aquakv: padded group ", c.P,
+              " must be even, >= group ", group, " and a multiple of the outer factor's order ", c.m);
+  c.p = c.P / c.m;
+  TORCH_CHECK((c.p & (c.p - 1)) == 0, "aquakv: P / m = ", c.p, " must be a power of two");
+  c.grid = floats(grid, "grid", {int64_t(1) << code_bits, 2});
+  return c;
+}
+
+HiggsRowsArgs higgs_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& grid,
+                         const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits, int64_t group,
+                         int64_t channels, const char* name) {
+  HiggsRowsArgs c = higgs_quantizer(grid, signs, outer, code_bits, group, channels);
+  const int64_t nbytes = packed_bytes(c.groups * c.P / 2, c.bits);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == nbytes && codes.stride(2) == 1,
+              "aquakv: ", name, "_codes must be uint8 [B, n, ", nbytes, "] with a contiguous last dim, got ",
+              codes.scalar_type(), " ", codes.sizes());
+  c.B = codes.size(0);
+  c.n = codes.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == c.B &&
+                  scales.size(1) == c.n && scales.size(2) == c.groups && scales.stride(2) == 1,
+              "aquakv: ", name, "_scales must be float16 [", c.B, ", ", c.n, ", ", c.groups,
+              "] with a contiguous last dim, got ", scales.scalar_type(), " ", scales.sizes());
+  c.codes = codes.data_ptr<uint8_t>();
+  c.cb = codes.stride(0);
+  c.ct = codes.stride(1);
+  c.scales = half_ptr(scales);
+  c.sb = scales.stride(0);
+  c.st = scales.stride(1);
+  return c;
+}
+
+// A float32 [B, n, C] tensor whose rows have a contiguous last dim.
+void rows_f32(const at::Tensor& t, const char* name, int64_t B, int64_t n, int64_t C) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == B && t.size(1) == n && t.size(2) == C &&
+                  t.stride(2) == 1,
+              "aquakv: ", name, " must be float32 [", B, ", ", n, ", ", C, "] with a contiguous last dim, got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+}  // namespace kvq
+
+void aquakv_reconstruct(const at::Tensor& k_codes, const at::Tensor& k_scales, const at::Tensor& v_codes,
+                        const at::Tensor& v_scales, const at::Tensor& grid, const at::Tensor& signs,
+                        const at::Tensor& outer, int64_t code_bits, int64_t group, const Opt& k_weight,
+                        const Opt& k_bias, const Opt& v_weight, const Opt& v_bias, const Opt& prev_k,
+                        const Opt& prev_v, const at::Tensor& out_k, const at::Tensor& out_v) {
+  using namespace kvq;
+  TORCH_CHECK(out_k.dim() == 3, "aquakv: out_k must be [B, n, C]");
+  const int64_t B = out_k.size(0), n = out_k.size(1), C = out_k.size(2);
+  for (const auto& [t, name] : {std::pair{&out_k, "out_k"}, std::pair{&out_v, "out_v"}})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == out_k.sizes(), "aquakv: ", name,
+                " must be a contiguous float32 [B, n, C] tensor (as out_k), got ", t->scalar_type(), " ", t->sizes());
+  HiggsRowsArgs kr = higgs_rows(k_codes, k_scales, grid, signs, outer, code_bits, group, C, "k");
+  HiggsRowsArgs vr = higgs_rows(v_codes, v_scales, grid, signs, outer, code_bits, group, C, "v");
+  TORCH_CHECK(kr.B == B && kr.n == n && vr.B == B && vr.n == n, "aquakv: codes hold [", kr.B, ", ", kr.n,
+              "] rows, the outputs [", B, ", ", n, "]");
+  TORCH_CHECK(k_weight.has_value() == k_bias.has_value() && v_weight.has_value() == v_bias.has_value(),
+              "aquakv: give each predictor's weight and bias, or neither");
+  TORCH_CHECK(k_weight.has_value() == prev_k.has_value() && v_weight.has_value() == prev_v.has_value(),
+              "aquakv: prev_k (prev_v) goes with the key (value) predictor, and only with it");
+  if (k_weight.has_value()) {
+    floats(*k_weight, "k_weight", {C, C});
+    kr.bias = floats(*k_bias, "k_bias", {C});
+    rows_f32(*prev_k, "prev_k", B, n, C);
+  }
+  if (v_weight.has_value()) {
+    floats(*v_weight, "v_weight", {2 * C, C});
+    vr.bias = floats(*v_bias, "v_bias", {C});
+    rows_f32(*prev_v, "prev_v", B, n, C);
+  }
+  if (n == 0) return;
+  // residual + bias straight into the workspace, then the predictions added in place
+  higgs_decode_rows(kr, out_k.data_ptr<float>());
+  const at::Tensor k2 = out_k.view({B * n, C});
+  if (k_weight.has_value()) k2.addmm_(prev_k->reshape({B * n, C}), *k_weight);
+  higgs_decode_rows(vr, out_v.data_ptr<float>());
+  if (v_weight.has_value()) {
+    const at::Tensor v2 = out_v.view({B * n, C});
+    v2.addmm_(k2, v_weight->narrow(0, 0, C));
+    v2.addmm_(prev_v->reshape({B * n, C}), v_weight->narrow(0, C, C));
+  }
+}
+
+std::vector<at::Tensor> aquakv_encode(const at::Tensor& k, const at::Tensor& v, const at::Tensor& grid,
+                                      const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits,
+                                      int64_t group, const Opt& k_weight, const Opt& k_bias, const Opt& v_weight,
+                                      const Opt& v_bias, const Opt& prev_k, const Opt& prev_v) {
+  using namespace kvq;
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "aquakv: k and v must be [B, m, C] alike, got ", k.sizes(),
+              " and ", v.sizes());
+  const int64_t B = k.size(0), m = k.size(1), C = k.size(2);
+  rows_f32(k, "k", B, m, C);
+  rows_f32(v, "v", B, m, C);
+  HiggsRowsArgs c = higgs_quantizer(grid, signs, outer, code_bits, group, C);
+  c.B = B;
+  c.n = m;
+  const int64_t nbytes = packed_bytes(c.groups * c.P / 2, c.bits);
+  TORCH_CHECK(k_weight.has_value() == k_bias.has_value() && v_weight.has_value() == v_bias.has_value() &&
+                  k_weight.has_value() == prev_k.has_value() && v_weight.has_value() == prev_v.has_value(),
+              "aquakv: give each predictor's weight, bias and previous rows, or none of them");
+  if (k_weight.has_value()) {
+    floats(*k_weight, "k_weight", {C, C});
+    floats(*k_bias, "k_bias", {C});
+    rows_f32(*prev_k, "prev_k", B, m, C);
+  }
+  if (v_weight.has_value()) {
+    floats(*v_weight, "v_weight", {2 * C, C});
+    floats(*v_bias, "v_bias", {C});
+    rows_f32(*prev_v, "prev_v", B, m, C);
+  }
+  auto encode = [&](const at::Tensor& x) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor codes = at::empty({B, m, nbytes}, at::kByte);
+    at::Tensor scales = at::empty({B, m, c.groups}, at::kHalf);
+    higgs_encode_rows(c, xc.data_ptr<float>(), codes.data_ptr<uint8_t>(), nbytes,
+                      reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>()));
+    return std::pair{codes, scales};
+  };
+  // keys: Q(k - pred_k(prev_k)); values: Q(v - pred_v([pred_k + deQ(key codes), prev_v])) (predictors.encode_pair)
+  at::Tensor pk;
+  if (k_weight.has_value()) pk = at::addmm(*k_bias, prev_k->reshape({B * m, C}), *k_weight).view({B, m, C});
+  const auto [kc, ks] = encode(pk.defined() ? k - pk : k);
+  at::Tensor resid_v = v;
+  if (v_weight.has_value()) {
+    at::Tensor rk = at::empty({B, m, C}, at::kFloat);
+    HiggsRowsArgs d = c;
+    d.codes = kc.data_ptr<uint8_t>();
+    d.cb = m * nbytes;
+    d.ct = nbytes;
+    d.scales = reinterpret_cast<const uint16_t*>(ks.data_ptr<at::Half>());
+    d.sb = m * c.groups;
+    d.st = c.groups;
+    higgs_decode_rows(d, rk.data_ptr<float>());
+    if (pk.defined()) rk.add_(pk);
+    at::Tensor pv = at::addmm(*v_bias, rk.view({B * m, C}), v_weight->narrow(0, 0, C));
+    pv.addmm_(prev_v->reshape({B * m, C}), v_weight->narrow(0, C, C));
+    resid_v = v - pv.view({B, m, C});
+  }
+  const auto [vc, vs] = encode(resid_v);
+  return {kc, ks, vc, vs};
+}
+
+at::Tensor attend_aquakv(const at::Tensor& q, const Opt& k_rows, const Opt& v_rows, const Opt& cos, const Opt& sin,
+                         const Opt& positions, const Opt& inv_freq, double rope_scale, const Opt& k_sinks,
+                         const Opt& v_sinks, const at::Tensor& k_recent, const at::Tensor& v_recent, const Opt& mask,
+                         bool causal, double scaling) {
+  using namespace kvq;
+  TORCH_CHECK(k_recent.dim() == 4 && v_recent.dim() == 4, "aquakv: recent windows must be [B, Hkv, T, D]");
+  const int64_t B = q.size(0), Hkv = k_recent.size(1), D = q.size(3);
+  TORCH_CHECK(D % 2 == 0, "aquakv: RoPE needs an even head_dim, got ", D);
+  AquaArgs a;
+  const bool rows = k_rows.has_value();
+  const bool tables = cos.has_value() || sin.has_value();
+  TORCH_CHECK(rows == v_rows.has_value() && (!rows || tables != positions.has_value()) &&
+                  tables == (cos.has_value() && sin.has_value()) && positions.has_value() == inv_freq.has_value() &&
+                  (rows || !(tables || positions.has_value())),
+              "aquakv: give key and value rows with cos/sin or positions/inv_freq, or none of them");
+  if (rows) {
+    a.nc = k_rows->size(1);
+    rows_f32(*k_rows, "k_rows", B, a.nc, Hkv * D);
+    rows_f32(*v_rows, "v_rows", B, a.nc, Hkv * D);
+    a.k = k_rows->data_ptr<float>();
+    a.kb = k_rows->stride(0);
+    a.kt = k_rows->stride(1);
+    a.v = v_rows->data_ptr<float>();
+    a.vb = v_rows->stride(0);
+    a.vt = v_rows->stride(1);
+    if (tables) {
+      for (const auto& [t, name] : {std::pair{&*cos, "cos"}, std::pair{&*sin, "sin"}})
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == B && t->size(1) == a.nc &&
+                        t->size(2) == D && t->stride(2) == 1,
+                    "aquakv: ", name, " must be float32 [", B, ", ", a.nc, ", ", D,
+                    "] with a contiguous last dim, got ", t->scalar_type(), " ", t->sizes());
+      a.cos = cos->data_ptr<float>();
+      a.cb = cos->stride(0);
+      a.ct = cos->stride(1);
+      a.sin = sin->data_ptr<float>();
+      a.sb = sin->stride(0);
+      a.st = sin->stride(1);
+    } else {
+      const at::Tensor& p = *positions;
+      TORCH_CHECK(p.scalar_type() == at::kInt && p.dim() == 2 && p.size(0) == B && p.size(1) == a.nc,
+                  "aquakv: positions must be int32 [", B, ", ", a.nc, "], got ", p.scalar_type(), " ", p.sizes());
+      a.pos = p.data_ptr<int32_t>();
+      a.pb = p.stride(0);
+      a.pt = p.stride(1);
+      a.inv_freq = floats(*inv_freq, "inv_freq", {D / 2});
+      a.rope_scale = float(rope_scale);
+    }
+  }
+  TORCH_CHECK(k_sinks.has_value() == v_sinks.has_value(), "aquakv: give key and value sinks, or neither");
+  if (k_sinks.has_value()) {
+    a.ns = k_sinks->size(2);
+    TORCH_CHECK(v_sinks->dim() == 4 && v_sinks->size(2) == a.ns,
+                "aquakv: key and value sinks must hold the same tokens");
+    a.sink_k = half4(*k_sinks, "k_sinks", B, Hkv, D);
+    a.sink_v = half4(*v_sinks, "v_sinks", B, Hkv, D);
+  }
+  a.nr = k_recent.size(2);
+  TORCH_CHECK(v_recent.size(2) == a.nr, "aquakv: key and value windows must hold the same tokens");
+  a.recent_k = half4(k_recent, "k_recent", B, Hkv, D);
+  a.recent_v = half4(v_recent, "v_recent", B, Hkv, D);
+  Problem P = problem(q, Hkv, a.ns + a.nc + a.nr, mask, causal, scaling);
+  return aquakv_attention(a, P);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_higgs", &attend_higgs, "fused attention over a HIGGS store (codes, sinks, recent window)");
+  m.def("aquakv_reconstruct", &aquakv_reconstruct,
+        "an AQUA-KV layer's keys and values, pred + deHIGGS(codes), into given fp32 [B, n, C] buffers");
+  m.def("aquakv_encode", &aquakv_encode, "HIGGS codes of an AQUA-KV layer's new rows (the predictors' residuals)");
+  m.def("attend_aquakv", &attend_aquakv, "fused attention over an AQUA-KV layer's reconstructed rows, sinks and window");
   m.def("attend_fp16", &attend_fp16, "fused attention over fp16 K/V");
   m.def("attend_kivi", &attend_kivi, "fused attention over a KIVI store");
   m.def("attend_gear", &attend_gear, "fused attention over a GEAR store");

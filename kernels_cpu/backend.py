@@ -5,6 +5,6 @@ from __future__ import annotations
 from kernels_cpu.loader import status
 from kvquant.backends import Backend, register_backend
 
-FORMATS = frozenset({"fp16", "kivi", "gear", "planes", "higgs"})
+FORMATS = frozenset({"fp16", "kivi", "gear", "planes", "higgs", "aquakv"})
 
 register_backend(Backend("cpu", "cpu", FORMATS, status, "kernels_cpu.ops"))

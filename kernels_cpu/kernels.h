@@ -616,6 +616,40 @@ struct HiggsArgs {
   int64_t heads_per_group = 1;
 };
 
+// HIGGS-coded rows (an AQUA-KV layer's qk or qv): codes [B, n, bytes] uint8 and fp16 scales [B, n,
+// groups] over rows of `channels` values, the quantizer (grid [2^bits, 2], signs [P], outer [m, m],
+// groups of `group` channels padded to P = m * p) and an optional bias [channels] added to each row.
+struct HiggsRowsArgs {
+  const uint8_t* codes = nullptr;
+  int64_t cb = 0, ct = 0;
+  const uint16_t* scales = nullptr;
+  int64_t sb = 0, st = 0;
+  int64_t B = 0, n = 0, channels = 0, groups = 0;
+  const float *grid = nullptr, *signs = nullptr, *outer = nullptr, *bias = nullptr;
+  int bits = 4, m = 1, p = 1, P = 1, group = 1;
+};
+
+// An AQUA-KV layer as attention reads it: its reconstructed pre-RoPE keys and values k/v [B, nc,
+// Hkv*D] fp32 (rows of the cache's workspace), RoPE as in HiggsArgs (tables or positions), and the
+// fp16 sinks (before the rows) and recent window (after them) [B, Hkv, *, D], keys after RoPE.
+struct AquaArgs {
+  const float *k = nullptr, *v = nullptr;
+  int64_t kb = 0, kt = 0, vb = 0, vt = 0;
+  const float *cos = nullptr, *sin = nullptr;
+  int64_t cb = 0, ct = 0, sb = 0, st = 0;
+  const int32_t* pos = nullptr;
+  int64_t pb = 0, pt = 0;
+  const float* inv_freq = nullptr;
+  float rope_scale = 1.0f;
+  int64_t nc = 0, ns = 0, nr = 0;
+  Half4 sink_k, sink_v, recent_k, recent_v;
+};
+
+void higgs_decode_rows(const HiggsRowsArgs& c, float* out);  // out [B, n, channels], contiguous
+// Higgs.quantize of x [c.B, c.n, channels] (contiguous) into contiguous codes [B, n, nbytes] and scales [B, n, groups].
+void higgs_encode_rows(const HiggsRowsArgs& c, const float* x, uint8_t* codes, int64_t nbytes, uint16_t* scales);
+at::Tensor aquakv_attention(const AquaArgs& a, const Problem& P);
+
 at::Tensor higgs_attention(const HiggsArgs& a, const Problem& P);
 at::Tensor fp16_attention(const Half4& k, const Half4& v, int keep_bits, const Problem& P);
 at::Tensor planes_attention(const PlaneArgs& a, const Problem& P);

@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("attention.cpp", "fp16.cpp", "kivi.cpp", "gear.cpp", "planes.cpp", "higgs.cpp")
-HEADERS = ("simd.h", "bits.h", "kernels.h")
+SOURCES = ("attention.cpp", "fp16.cpp", "kivi.cpp", "gear.cpp", "planes.cpp", "higgs.cpp", "aquakv.cpp")
+HEADERS = ("simd.h", "bits.h", "kernels.h", "higgs.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 BUILD_HINT = "python -m kernels_cpu build"

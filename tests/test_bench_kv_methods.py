@@ -51,3 +51,36 @@ def test_every_cache_timed_against_fp16_in_the_same_run(tmp_path):
     assert results["experiment"]["threads"] == 1 and "unknown method 'nope'" in results["experiment"]["skipped"]["nope"]
     assert "| context | cache | ms/step | × fp16 | × hf_dynamic |" in proc.stdout  # printed, not only written
     assert "| 64 | fp16 |" in proc.stdout and "| – | nope | skipped: unknown method" in proc.stdout
+
+
+def test_aquakv_entries_get_their_floor(tmp_path, stories, predictor_root):
+    """An AQUA-KV entry adds ``aquakv_floor`` (DynamicCache's step plus the predictor matmuls, timed in
+    the same run) and a ``ratio_floor`` column: the AQUA-KV rows' time over that floor (none for others)."""
+    root = predictor_root(*stories)
+    proc = run_py(
+        tmp_path,
+        "model=stories260k",
+        "logger=none",
+        "progress=false",
+        f"results_dir={tmp_path / 'out'}",
+        f"experiment.figures_dir={tmp_path / 'fig'}",
+        "experiment=bench_kv_methods",
+        "experiment.methods=[aquakv@cpu]",
+        "experiment.contexts=[200]",
+        "experiment.new_tokens=4",
+        "experiment.repeats=1",
+        "experiment.profile_steps=0",
+        "experiment.threads=1",
+        env={"OMP_NUM_THREADS": "1", "KVQUANT_PREDICTOR_DIR": str(root)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = read_table(tmp_path / "fig" / "bench_kv_methods.csv")
+    by = table[table.part == "decode"].set_index("cache")
+    assert list(by.index) == ["fp16", "aquakv@cpu", "hf_dynamic", "aquakv_floor"]
+    assert by.ms_per_step["aquakv_floor"] > by.ms_per_step["hf_dynamic"]
+    for name in ("aquakv@cpu", "aquakv_floor"):
+        assert by.ratio_floor[name] == pytest.approx(by.ms_per_step[name] / by.ms_per_step["aquakv_floor"])
+    assert by.ratio_floor[["fp16", "hf_dynamic"]].isna().all()
+    assert "| × floor |" in proc.stdout and "| 200 | aquakv_floor |" in proc.stdout
+    results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
+    check_agrees(table, results["table"], "bench_kv_methods")

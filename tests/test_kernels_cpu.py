@@ -449,6 +449,10 @@ def test_build_folder_is_keyed_by_compiler_and_lives_in_the_cache(monkeypatch, t
 def test_registers_with_the_backend_seam():
     backends = pytest.importorskip("kvquant.backends")
     cpu = backends.get_backend("cpu")
-    assert cpu is not None and cpu.device_type == "cpu" and cpu.formats == {"fp16", "kivi", "gear", "planes", "higgs"}
+    assert (
+        cpu is not None
+        and cpu.device_type == "cpu"
+        and cpu.formats == {"fp16", "kivi", "gear", "planes", "higgs", "aquakv"}
+    )
     assert cpu.status() == kernels_cpu.status()
     assert cpu.ops.attend_kivi is kernels_cpu.attend_kivi and cpu.ops.attend_planes is kernels_cpu.attend_planes

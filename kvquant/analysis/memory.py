@@ -7,6 +7,13 @@ block, every tensor the ops allocate and when the last tensor on each storage di
 the most bytes those allocations held at once (on any device) — the transient of a read path that
 re-expands the history to fp32, measured by instrumenting the ops, not by formula. On CUDA,
 ``torch.cuda.max_memory_allocated`` says the same of the whole process.
+
+One exception to "kept between steps is held": a per-forward workspace that a cache reuses so that a
+step allocates nothing, and that holds nothing from one step to the next (every forward overwrites it
+before reading it: AQUA-KV's reconstruction buffers on a kernel backend). An object names such
+attributes in ``transient_attributes``; ``held_bytes`` skips them and ``transient_bytes`` counts them,
+to be added to a step's peak (they are alive the whole step, and ``StepPeak`` cannot see writes made
+by a kernel into storage that existed before the step).
 """
 
 from __future__ import annotations
@@ -48,10 +55,33 @@ def held_bytes(obj: Any) -> int:
         elif isinstance(x, (list, tuple, set, frozenset)):
             stack.extend(x)
         elif hasattr(x, "__dict__"):
-            stack.extend(vars(x).values())
+            skip = getattr(x, "transient_attributes", ())
+            stack.extend(v for k, v in vars(x).items() if k not in skip)
         if hasattr(x, "__slots__"):
             stack.extend(getattr(x, s, None) for s in x.__slots__)
     return sum(storages.values())
+
+
+def transient_bytes(obj: Any) -> int:
+    """Bytes of the per-forward workspaces reachable from ``obj`` (attributes an object names in
+    ``transient_attributes``; module docstring): a decode step's transient, not held memory."""
+    seen: set[int] = set()
+    parts: list[Any] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if id(x) in seen or x is None or isinstance(x, (str, bytes, int, float, bool, torch.Tensor, torch.nn.Module)):
+            continue
+        seen.add(id(x))
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend(x)
+        elif hasattr(x, "__dict__"):
+            names = getattr(x, "transient_attributes", ())
+            parts.extend(vars(x)[k] for k in names if k in vars(x))
+            stack.extend(v for k, v in vars(x).items() if k not in names)
+    return held_bytes(parts)
 
 
 class StepPeak(TorchDispatchMode):

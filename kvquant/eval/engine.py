@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvquant.analysis.memory import StepPeak, held_bytes
+from kvquant.analysis.memory import StepPeak, held_bytes, transient_bytes
 from kvquant.attention import restore_attention
 from kvquant.cache import CacheCounts
 from kvquant.errors import KvquantError
@@ -408,7 +408,8 @@ class Engine:
                 held = held_bytes(rows.cache)
                 with StepPeak() as peak:
                     last = self._forward(rows, step, last_only=True)
-                self.memory.append((held / len(active), peak.peak / len(active)))
+                step_peak = peak.peak + transient_bytes(rows.cache)  # plus reused per-forward workspaces
+                self.memory.append((held / len(active), step_peak / len(active)))
             else:
                 last = self._forward(rows, step, last_only=True)
         if forced is None:

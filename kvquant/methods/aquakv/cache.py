@@ -50,11 +50,13 @@ from kvquant.cache import KVCache, KVLayer, nbytes, to_fp16_checked, whole_bit_w
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.methods.aquakv.predictors import Predictors, dequantize_pair, encode_pair, from_rows, to_rows
 from kvquant.methods.aquakv.sliding import Rows, forget, rows_between, tail
-from kvquant.methods.window import Window
+from kvquant.methods.window import PROMPT_QUERIES, Window
 from kvquant.quant.higgs import Higgs, HiggsTensor, cat_rows
 from kvquant.quant.rope import apply_rope, rope_layer_types, rope_tables, undo_rope
 
 Pred = tuple[torch.Tensor, torch.Tensor] | None
+#: tokens by which a kernel backend's AQUA-KV workspace grows (``AquaKVCache.fill_workspace``)
+WORKSPACE_BLOCK = 256
 
 
 def find_rotary(model: Any) -> torch.nn.Module:
@@ -218,10 +220,19 @@ class AquaKVLayer(KVLayer):
         self, leaving_k: torch.Tensor | None, leaving_v: torch.Tensor | None, start: int, key_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Code what leaves the window as the torch path does, count the same reads, and hand attention
-        placeholders that send it to ``attend`` (HIGGS on full-attention layers: ``new_cache`` sees to it).
-        Nothing is reconstructed: no layer predicts from this one."""
+        placeholders that send it to ``attend`` (full-attention layers: ``new_cache`` sees to it).
+        HIGGS (no predictors in the cache): nothing is reconstructed, the kernel reads the codes. AQUA-KV:
+        the cache's kernel reconstructs this layer's coded tokens into its per-forward workspace
+        (``AquaKVCache.fill_workspace``), which the next layer's predictors and this layer's attention
+        read; the tokens coded now are coded from the previous layer's workspace rows."""
+        reconstructs = self.owner.predictors is not None
         if leaving_k is not None:
-            self.code(leaving_k, leaving_v, start, None)
+            prev = None
+            if reconstructs and self.needs_previous():
+                prev = self.owner.previous_rows(self.layer_idx, start, start + leaving_k.shape[-2])
+            self.code(leaving_k, leaving_v, start, prev)
+        if reconstructs:
+            self.owner.fill_workspace(self)
         needs_tables = self.qk is not None and self.owner.rope_formula(self.layer_idx) is None
         self._step_rope = (
             self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes) if needs_tables else None
@@ -235,6 +246,12 @@ class AquaKVLayer(KVLayer):
             tagged_placeholder(self, shape, key_states.dtype, key_states.device),
             tagged_placeholder(self, shape, key_states.dtype, key_states.device),
         )
+
+    def workspace_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This forward's reconstruction of the coded tokens (pre-RoPE keys, values ``[B, n_codes, C]``
+        fp32, views of the cache's workspace: valid until the layer after next overwrites it), or None."""
+        rows = self.owner.workspace.get(self.layer_idx) if self.owner is not None else None
+        return None if rows is None else (rows[1], rows[2])
 
     def kernel_rope(self) -> dict[str, Any]:
         """How a kernel re-applies RoPE to the coded (pre-RoPE) keys: their int32 ``positions`` with the
@@ -254,14 +271,30 @@ class AquaKVLayer(KVLayer):
         return {"cos": cos, "sin": sin}
 
     def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
-        """Attention over the stored codes, sinks and window by the backend's kernel (``kvquant.attention``)."""
+        """Attention over the stored codes (HIGGS) or this forward's reconstruction of them (AQUA-KV), sinks
+        and window, by the backend's kernel (``kvquant.attention``)."""
         ops = get_backend(self.backend).ops
         n = self.held_tokens()
         mask = attention_mask[..., :n] if attention_mask is not None else None
         causal = mask is None and query.shape[2] > 1
-        out = ops.attend_higgs(query, **ops.higgs_tensors(self), mask=mask, scaling=scaling, causal=causal)
+        if self.owner.predictors is not None:
+            args = ops.aquakv_tensors(self)
+            if args.get("positions") is not None and query.shape[2] >= PROMPT_QUERIES:
+                args = {**args, **self._prompt_rope(), "positions": None, "inv_freq": None}
+            out = ops.attend_aquakv(query, **args, mask=mask, scaling=scaling, causal=causal)
+        else:
+            out = ops.attend_higgs(query, **ops.higgs_tensors(self), mask=mask, scaling=scaling, causal=causal)
         self._step_rope = None
         return out.transpose(1, 2).contiguous(), None
+
+    def _prompt_rope(self) -> dict[str, torch.Tensor]:
+        """cos/sin tables of the coded tokens for a prompt chunk: with many query rows the kernel would
+        compute each key's sincos once per 16-row tile, so the layers share one table per forward instead
+        (the last layer, after ``end_forward``, computes its own without keeping it)."""
+        last = self.layer_idx == len(self.owner.layers) - 1
+        rope = self.owner.tables if last else self.owner.quantized_rope
+        cos, sin = rope(self.layer_idx, self.code_lo, self.n_codes)
+        return {"cos": cos, "sin": sin}
 
     def _attended(
         self, dtype: torch.dtype, rk: torch.Tensor | None, rv: torch.Tensor | None, before: int
@@ -297,7 +330,14 @@ class AquaKVLayer(KVLayer):
         k = to_rows(undo_rope(ek.float(), cos, sin))
         v = to_rows(ev.float())
         prev_k, prev_v = rows_between(prev, start, start + m, self.layer_idx) if prev is not None else (None, None)
-        qk, _, qv, _ = encode_pair(self.quant, self.pred_k, self.pred_v, k, v, prev_k, prev_v)
+        if self.backend != "torch" and self.owner.predictors is not None:  # the rule in one kernel call
+            q = self.quant
+            qk, qv = get_backend(self.backend).ops.aquakv_encode(
+                k, v, grid=q.grid, signs=q.signs, outer=q.outer, code_bits=q.code_bits, group=q.group,
+                pred_k=self.pred_k, pred_v=self.pred_v, prev_k=prev_k, prev_v=prev_v,
+            )  # fmt: skip
+        else:
+            qk, _, qv, _ = encode_pair(self.quant, self.pred_k, self.pred_v, k, v, prev_k, prev_v)
         if self.qk is None:
             self.code_lo, self.qk, self.qv = start, qk, qv
         else:
@@ -329,6 +369,9 @@ class AquaKVCache(KVCache):
     module has one per type; the constructor sets each layer's code horizon (module docstring).
     """
 
+    #: the kernel path's reconstruction buffers: a step's transient (``kvquant.analysis.memory``), not held
+    transient_attributes = ("_buffers", "workspace")
+
     def __init__(
         self,
         layers: list[AquaKVLayer],
@@ -358,6 +401,10 @@ class AquaKVCache(KVCache):
         self._rope: dict[tuple[str | None, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_checked = False
         self._formula: tuple[torch.Tensor, float] | None | bool = False  # False: not looked at yet
+        # kernel backends, AQUA-KV: two fp32 buffers reused forward after forward (layer l writes buffer
+        # l % 2 and reads l - 1's), and which layer's rows each holds in this forward
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self.workspace: dict[int, Rows] = {}
 
     def map_shared(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-first map to the per-row state the layers share (positions, hand-off, cos/sin)."""
@@ -451,6 +498,66 @@ class AquaKVCache(KVCache):
         if got is not None and got[0] <= lo and got[0] + got[1].shape[1] >= hi:
             return got
         return self.rebuild(layer_idx - 1)
+
+    def previous_rows(self, layer_idx: int, lo: int, hi: int) -> Rows | None:
+        """Kernel backends: layer ``l − 1``'s workspace rows covering ``[lo, hi)`` in this forward (else rebuilt)."""
+        got = self.workspace.get(layer_idx - 1)
+        if got is not None and got[0] <= lo and got[0] + got[1].shape[1] >= hi:
+            return got
+        return self.rebuild(layer_idx - 1)
+
+    def fill_workspace(self, layer: AquaKVLayer) -> None:
+        """Kernel backends: ``layer``'s coded tokens reconstructed (``pred + deHIGGS(codes)``, the torch
+        path's ``reconstruct``) into buffer ``l % 2`` by one kernel call (residuals decoded in place,
+        predictions added by in-place matmuls from layer ``l − 1``'s rows in the other buffer).
+
+        The buffers are the step's transient, not held history: every forward overwrites them, and they
+        grow by blocks of ``WORKSPACE_BLOCK`` tokens so a decode step allocates nothing.
+        ``workspace_bytes()`` says how large they are."""
+        idx = layer.layer_idx
+        if idx == 0:
+            self.workspace.clear()
+        self.workspace.pop(idx - 2, None)  # the buffer it was in is about to be overwritten
+        if layer.qk is None:
+            self.workspace.pop(idx, None)
+            return
+        batch, n, channels = layer.qk.codes.shape[0], layer.n_codes, layer.quant.channels
+        need = 2 * batch * n * channels
+        slot = idx % 2
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < need:
+            blocks = -(-n // WORKSPACE_BLOCK) * WORKSPACE_BLOCK
+            buf = self._buffers[slot] = torch.empty(2 * batch * blocks * channels, device=layer.qk.codes.device)
+        k = buf[: need // 2].view(batch, n, channels)
+        v = buf[need // 2 : need].view(batch, n, channels)
+        prev_k = prev_v = None
+        if layer.needs_previous():
+            span = (layer.code_lo, layer.code_lo + n, idx)
+            prev_k, prev_v = rows_between(self.previous_rows(idx, *span[:2]), *span)
+        ops = get_backend(layer.backend).ops
+        q = layer.quant
+        ops.aquakv_reconstruct(
+            layer.qk.codes,
+            layer.qk.scales,
+            layer.qv.codes,
+            layer.qv.scales,
+            grid=q.grid,
+            signs=q.signs,
+            outer=q.outer,
+            code_bits=q.code_bits,
+            group=q.group,
+            pred_k=layer.pred_k,
+            pred_v=layer.pred_v,
+            prev_k=prev_k,
+            prev_v=prev_v,
+            out_k=k,
+            out_v=v,
+        )
+        self.workspace[idx] = (layer.code_lo, k, v)
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the kernel path's reconstruction buffers (a step's transient; 0 on the torch path)."""
+        return nbytes(b for b in self._buffers if b is not None)
 
     def rebuild(self, upto: int) -> Rows | None:
         """Layers ``0 … upto`` rebuilt from their codes alone (what any reader of this cache can do)."""

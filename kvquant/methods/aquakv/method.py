@@ -54,7 +54,7 @@ class HiggsMethod(KVMethod):
     fp16 scale per ``group`` channels; the first ``sink`` and newest ``window`` tokens in fp16; layer 0
     at ``first_layer_bits`` if set, else ``bits``. ``backend``: ``torch`` (the reference: every coded
     token reconstructed for the model's attention), ``cpu`` (``kernels_cpu.attend_higgs`` attends over
-    the codes as stored) or ``auto``; AQUA-KV (predictors) has the torch path only."""
+    the codes as stored; AQUA-KV: see ``AquaKVMethod``) or ``auto``."""
 
     bits: int = 2
     first_layer_bits: int | None = None
@@ -126,19 +126,22 @@ class HiggsMethod(KVMethod):
     @property
     def kernel_format(self) -> str:
         """The storage format backends name their kernels by: ``higgs``, or ``aquakv`` (codes of a
-        predictor's residual, which no kernel reads yet)."""
+        predictor's residual: ``kernels_cpu.aquakv_reconstruct`` then ``attend_aquakv``)."""
         return "higgs" if self.predict == "none" else "aquakv"
 
     def resolve_backend(self, model: Any, geometry: KVGeometry, quant: Higgs) -> str:
-        """The backend this cache reads with (``kvquant.attention.resolve_kernels``): the kernel reads a
-        layer's whole history, groups of whole heads, and applies no logit soft-capping; a model that
-        needs otherwise runs the torch reference (``auto``, one warning line) or is refused (``cpu``)."""
+        """The backend this cache reads with (``kvquant.attention.resolve_kernels``): the kernels read a
+        layer's whole history (no sliding windows), apply no logit soft-capping and need an even head
+        dim <= 256; the HIGGS kernel also needs groups of whole heads. A model that needs otherwise runs
+        the torch reference (``auto``, one warning line) or is refused (``cpu``)."""
         missing = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
         if geometry.sliding_window is not None:
             missing.append(f"sliding-window layers ({geometry.sliding_window})")
         d = geometry.head_dim
-        if quant.group % d or d % 2 or d > 256:
+        if self.kernel_format == "higgs" and (quant.group % d or d % 2 or d > 256):
             missing.append(f"groups of {quant.group} channels over heads of {d} (it needs whole heads, even, <= 256)")
+        elif d % 2 or d > 256:  # aquakv reads its reconstruction by head: any group, but RoPE needs even heads
+            missing.append(f"heads of {d} channels (it needs an even head dim <= 256)")
         return resolve_kernels(model, self.backend, self.kernel_format, missing)
 
     def new_layer(self, layer_idx: int, geometry: KVGeometry) -> KVLayer:
@@ -166,7 +169,19 @@ class HiggsMethod(KVMethod):
 @dataclass(frozen=True)
 class AquaKVMethod(HiggsMethod):
     """AQUA-KV: HIGGS codes of what cross-layer linear predictors miss (``predict``: kv, k or v);
-    ``predictors``: a predictor file, or None for the default path for this model and quantizer."""
+    ``predictors``: a predictor file, or None for the default path for this model and quantizer.
+
+    ``backend=cpu`` (or ``auto`` where the kernels are built): the predictors must still run over the
+    whole history every step (no reconstruction is kept: that would be fp16-sized memory), so a step
+    is bounded below by those matmuls. Per layer and forward one kernel call
+    (``kernels_cpu.aquakv_reconstruct``) decodes the residual codes, plus the predictor's bias, straight
+    into a reused fp32 workspace and adds the predictions in place (``addmm_`` from the previous
+    layer's workspace, which is this layer's predictor input); ``kernels_cpu.attend_aquakv`` then
+    attends over the workspace (RoPE applied to keys as they are loaded), the fp16 sinks and window.
+    The two workspaces (layers alternate) are overwritten every forward: a step's transient
+    (``AquaKVCache.workspace_bytes()``), not held history, so ``stats()`` are the torch path's. Values
+    equal the torch path's up to fp32 summation order (a code may differ where a residual sits on a
+    rounding boundary)."""
 
     first_layer_bits: int | None = 4
     predict: str = "kv"
