@@ -91,10 +91,12 @@ struct HiggsPlan {
 inline void rope_key(const float* g, const float* sg, float scale, const float* cs, const float* sn, int D, int width,
                      float* dst) {
   const int h = D / 2;
-  for (int l = 0; l < h; ++l) {
-    const float a = g[l] * sg[l] * scale, b = g[l + h] * sg[l + h] * scale;
-    dst[l] = a * cs[l] - b * sn[l];
-    dst[l + h] = b * cs[l + h] + a * sn[l + h];
+  const vf sv = set1(scale);
+  for (int l = 0; l < h; l += W) {
+    const mk m = lanes(h - l);
+    const vf a = mul(mul(load(g + l, m), load(sg + l, m)), sv), b = mul(mul(load(g + h + l, m), load(sg + h + l, m)), sv);
+    store(dst + l, sub(mul(a, load(cs + l, m)), mul(b, load(sn + l, m))), m);
+    store(dst + h + l, add(mul(b, load(cs + h + l, m)), mul(a, load(sn + h + l, m))), m);
   }
   std::fill(dst + D, dst + width, 0.0f);
 }
@@ -196,7 +198,25 @@ void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows
           }
           if (!any) continue;
           float* x = racc.data() + size_t(r) * PP;
-          for (int c = 0; c < PP; c += W) {
+          int c = 0;
+          for (; c + 4 * W <= PP; c += 4 * W) {  // four chunks at a time: four fma chains per broadcast
+            const mk all = lanes(W);
+            vf v0 = load(x + c, all), v1 = load(x + c + W, all), v2 = load(x + c + 2 * W, all),
+               v3 = load(x + c + 3 * W, all);
+            for (int j = 0; j < k; ++j) {
+              const vf wj = set1(w[j]);
+              const float* yj = y.data() + j * PP + c;
+              v0 = fma(wj, load(yj, all), v0);
+              v1 = fma(wj, load(yj + W, all), v1);
+              v2 = fma(wj, load(yj + 2 * W, all), v2);
+              v3 = fma(wj, load(yj + 3 * W, all), v3);
+            }
+            store(x + c, v0, all);
+            store(x + c + W, v1, all);
+            store(x + c + 2 * W, v2, all);
+            store(x + c + 3 * W, v3, all);
+          }
+          for (; c < PP; c += W) {
             const mk lm = lanes(PP - c);
             vf v = load(x + c, lm);
             for (int j = 0; j < k; ++j) v = fma(set1(w[j]), load(y.data() + j * PP + c, lm), v);

@@ -109,18 +109,34 @@ struct Rotation {  // kron(outer [m, m], S_p), P = m * p
 };
 
 // y <- kron(outer, S_p) y (unnormalised), in place; tmp holds P floats.
+// Block i of out = sum_j c(i, j) in_j with c = outer (T: its transpose). Four output blocks at a time,
+// each summed in a register over j (j in order, one fma each) and stored once: four independent fma
+// chains per load, where summing into memory chained every fma on a store.
+template <bool T>
+inline void mix_blocks(const float* in, float* out, const Rotation& r) {
+  constexpr int G = 4;
+  for (int l = 0; l < r.p; l += W) {
+    const mk lm = lanes(r.p - l);
+    for (int i0 = 0; i0 < r.m; i0 += G) {
+      const int g = std::min(G, r.m - i0);
+      vf acc[G];
+      for (int k = 0; k < G; ++k) acc[k] = zero();
+      for (int j = 0; j < r.m; ++j) {
+        const vf x = load(in + j * r.p + l, lm);
+        for (int k = 0; k < G; ++k) {
+          const int i = std::min(i0 + k, r.m - 1);  // past the last block: computed, never stored
+          acc[k] = fma(set1(T ? r.outer[j * r.m + i] : r.outer[i * r.m + j]), x, acc[k]);
+        }
+      }
+      for (int k = 0; k < g; ++k) store(out + (i0 + k) * r.p + l, acc[k], lm);
+    }
+  }
+}
+
 inline void rotate_back(float* y, float* tmp, const Rotation& r) {
   for (int i = 0; i < r.m; ++i) fwht(y + i * r.p, r.p);
   if (r.m == 1) return;
-  for (int i = 0; i < r.m; ++i) {
-    float* o = tmp + i * r.p;
-    std::fill(o, o + r.p, 0.0f);
-    for (int j = 0; j < r.m; ++j) {
-      const float c = r.outer[i * r.m + j];
-      const float* x = y + j * r.p;
-      for (int l = 0; l < r.p; ++l) o[l] += c * x[l];
-    }
-  }
+  mix_blocks<false>(y, tmp, r);
   std::copy(tmp, tmp + r.P, y);
 }
 
@@ -129,15 +145,7 @@ inline void rotate_back(float* y, float* tmp, const Rotation& r) {
 inline void rotate_forward(float* x, float* tmp, const Rotation& r) {
   for (int i = 0; i < r.m; ++i) fwht(x + i * r.p, r.p);
   if (r.m == 1) return;
-  for (int i = 0; i < r.m; ++i) {
-    float* o = tmp + i * r.p;
-    std::fill(o, o + r.p, 0.0f);
-    for (int j = 0; j < r.m; ++j) {
-      const float c = r.outer[j * r.m + i];
-      const float* y = x + j * r.p;
-      for (int l = 0; l < r.p; ++l) o[l] += c * y[l];
-    }
-  }
+  mix_blocks<true>(x, tmp, r);
   std::copy(tmp, tmp + r.P, x);
 }
 
