@@ -330,7 +330,7 @@ class AquaKVLayer(KVLayer):
         k = to_rows(undo_rope(ek.float(), cos, sin))
         v = to_rows(ev.float())
         prev_k, prev_v = rows_between(prev, start, start + m, self.layer_idx) if prev is not None else (None, None)
-        if self.backend != "torch" and self.owner.predictors is not None:  # the rule in one kernel call
+        if self.backend != "torch":  # the rule in one kernel call (HIGGS alone: no predictors)
             q = self.quant
             qk, qv = get_backend(self.backend).ops.aquakv_encode(
                 k, v, grid=q.grid, signs=q.signs, outer=q.outer, code_bits=q.code_bits, group=q.group,
