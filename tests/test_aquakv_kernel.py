@@ -262,7 +262,6 @@ def test_greedy_tokens_equal_the_torch_path(built, stories, stories_predictors, 
         assert torch.equal(tokens["cpu"], tokens["torch"]), prompt
 
 
-@pytest.mark.numerics
 def test_left_padded_batch_and_prompt_chunks_follow_the_torch_path(built, stories, stories_predictors, monkeypatch):
     """A left-padded batch of two prompts fed in chunks (one of 20 queries, which reads RoPE from the
     forward's tables, then chunks of 7 that compute it from positions; the padding mask handed to the
