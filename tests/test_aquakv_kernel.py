@@ -262,14 +262,16 @@ def test_greedy_tokens_equal_the_torch_path(built, stories, stories_predictors, 
         assert torch.equal(tokens["cpu"], tokens["torch"]), prompt
 
 
+@pytest.mark.numerics
 def test_left_padded_batch_and_prompt_chunks_follow_the_torch_path(built, stories, stories_predictors, monkeypatch):
     """A left-padded batch of two prompts fed in chunks (one of 20 queries, which reads RoPE from the
     forward's tables, then chunks of 7 that compute it from positions; the padding mask handed to the
     kernel), then decoded by ``generate``: logits within 1e-3 of the torch path's at every chunk, and
-    the same tokens. During ``generate`` logits stay within 1e-3 until the two caches store a different
-    code: K/V computed from attention outputs that differ in the last bits may put a residual or a
-    scale on the other side of a rounding boundary, and the predictors carry that token's difference
-    into every later layer (the smollm2 test below)."""
+    the same tokens. During ``generate`` logits stay within 1e-3 until the two caches store something
+    different: K/V computed from attention outputs that differ in the last bits may put a residual, a
+    scale or an fp16 window element on the other side of a rounding boundary (one fp16 step is ~5e-4
+    relative), and the predictors carry a code's difference into every later layer (the smollm2 test
+    below). Under ``MKL_CBWR=COMPATIBLE`` a window element of the padded row flips that way."""
     monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(stories_predictors))
     model, tok = stories
     long = "Once upon a time, a little fox saw a big red ball in the park. He wanted to play with it, so he"
@@ -306,14 +308,13 @@ def test_left_padded_batch_and_prompt_chunks_follow_the_torch_path(built, storie
                 return_dict_in_generate=True,
             )
         assert cache.backend == backend
-        codes = [torch.cat([layer.qk.codes, layer.qv.codes], -1) for layer in cache.layers]
-        outs[backend] = (torch.cat(chunks, 1), gen.sequences, torch.stack(gen.logits), codes)
+        stored = [t for layer in cache.layers for t in (*layer.stored_k(), *layer.stored_v()) if t is not None]
+        outs[backend] = (torch.cat(chunks, 1), gen.sequences, torch.stack(gen.logits), stored)
     torch.testing.assert_close(outs["cpu"][0], outs["torch"][0], atol=1e-3, rtol=1e-3)
     assert torch.equal(outs["cpu"][1], outs["torch"][1])
     apart = (outs["cpu"][2] - outs["torch"][2]).abs().amax(-1) > 1e-3  # [step, row]
-    if apart.any():  # only once a code differs (in a row that moved)
-        codes_differ = [not torch.equal(c, t) for c, t in zip(outs["cpu"][3], outs["torch"][3], strict=True)]
-        assert any(codes_differ)
+    if apart.any():  # only once the caches store something different (in a row that moved)
+        assert any(not torch.equal(c, t) for c, t in zip(outs["cpu"][3], outs["torch"][3], strict=True))
 
 
 def test_aquakv_resolves_to_the_kernels_and_refuses_sliding_windows(built, stories, capsys):
