@@ -266,8 +266,9 @@ def collect(run_dir: str | Path, results_dir: str | Path = ROOT / "results") -> 
 
 
 def _relative_locations(results: dict[str, Any]) -> bool:
-    """Replace absolute output folders in the run's config by the defaults (``outputs``, ``figures``);
-    True if any was replaced (the config hash then changes with them)."""
+    """Replace absolute output folders in the run's config by the defaults (``outputs``, ``figures``), and
+    the figures' location a runner records beside them; True if anything was replaced (the results are
+    then rewritten, the config hash recomputed)."""
     config = results.get("config") or {}
     changed = False
     for block, key, default in (
@@ -276,6 +277,9 @@ def _relative_locations(results: dict[str, Any]) -> bool:
     ):
         if isinstance(block.get(key), str) and Path(block[key]).is_absolute():
             block[key], changed = default, True
+    experiment = results.get("experiment") or {}
+    if isinstance(experiment.get("figures"), str) and Path(experiment["figures"]).is_absolute():
+        experiment["figures"], changed = str(Path("figures") / Path(experiment["figures"]).name), True
     return changed
 
 

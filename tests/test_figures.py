@@ -99,6 +99,21 @@ def test_csv_and_results_json_disagreeing_is_caught(tmp_path):
         check_agrees(table, None, "x")
 
 
+def test_collect_drops_where_the_run_wrote_its_figures(tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(RESULTS / "frontier_alignedkv", run_dir)
+    results = json.loads((run_dir / "results.json").read_text())
+    results["config"]["experiment"]["figures_dir"] = "/elsewhere/figs"
+    results["experiment"]["figures"] = "/elsewhere/figs/frontier_alignedkv"
+    (run_dir / "results.json").write_text(json.dumps(results))
+    collected = json.loads((collect(run_dir, tmp_path / "results") / "results.json").read_text())
+    assert collected["config"]["experiment"]["figures_dir"] == "figures"
+    assert collected["experiment"]["figures"] == "figures/frontier_alignedkv"
+    assert collected["config_hash"] == json.loads((RESULTS / "frontier_alignedkv" / "results.json").read_text())[
+        "config_hash"
+    ]
+
+
 def test_collect_copies_a_finished_run(tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(RESULTS / "fig_latency", run_dir)
