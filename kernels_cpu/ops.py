@@ -77,6 +77,14 @@ def _widths(w: Widths, batch: int, heads: int, n: int, d: int | None) -> torch.T
     return w if w.dtype == torch.uint8 else w.to(torch.uint8)
 
 
+def _plane_inputs(q: torch.Tensor, k_a: torch.Tensor | None, tail_k: torch.Tensor, k_widths: Widths, mask):
+    """fp32 query, uint8 key widths (None before the first block) and the mask view, for a plane store."""
+    q32 = _query(q)
+    nb = 0 if k_a is None else k_a.shape[2]
+    wk = None if k_a is None else _widths(k_widths, q.shape[0], tail_k.shape[1], nb, q.shape[-1])
+    return q32, wk, _mask(mask, q32, nb * 64 + tail_k.shape[-2])
+
+
 def attend_planes(
     q: torch.Tensor,
     k_a: torch.Tensor | None,
@@ -107,12 +115,8 @@ def attend_planes(
     ``tiny_v`` False (``PlaneStore.tiny_k``/``tiny_v``: no plane-A byte reads as ±0) lets the kernel
     skip the ±0 rule, which then cannot apply. ``plane_tensors(store)`` gives all of these but the widths.
     """
-    q32 = _query(q)
-    batch, heads, d = q.shape[0], tail_k.shape[1], q.shape[-1]
-    nb = 0 if k_a is None else k_a.shape[2]
-    wk = None if k_a is None else _widths(k_widths, batch, heads, nb, d)
-    wv = None if k_a is None else _widths(v_widths, batch, heads, nb * 64, None)
-    length = nb * 64 + tail_k.shape[-2]
+    q32, wk, mask32 = _plane_inputs(q, k_a, tail_k, k_widths, mask)
+    wv = None if k_a is None else _widths(v_widths, q.shape[0], tail_k.shape[1], k_a.shape[2] * 64, None)
     out = module().attend_planes(
         q32,
         k_a,
@@ -127,7 +131,7 @@ def attend_planes(
         tail_v,
         bool(tiny_k),
         bool(tiny_v),
-        _mask(mask, q32, length),
+        mask32,
         causal,
         _scaling(scaling, q),
     )
@@ -162,11 +166,7 @@ def attend_aligned(
     (``kvquant.alignment.high_byte_values``); ``v_thresholds`` ``(t12, t8)``. The store arguments are
     ``attend_planes``'; ``v_widths`` int32 ``[B, Hkv, nb·64]`` (the block tokens). A multi-token step
     needs its mask (the rule reads no causal limit)."""
-    q32 = _query(q)
-    batch, heads, d = q.shape[0], tail_k.shape[1], q.shape[-1]
-    nb = 0 if k_a is None else k_a.shape[2]
-    wk = None if k_a is None else _widths(k_widths, batch, heads, nb, d)
-    length = nb * 64 + tail_k.shape[-2]
+    q32, wk, mask32 = _plane_inputs(q, k_a, tail_k, k_widths, mask)
     out, wv = module().attend_aligned(
         q32,
         k_a,
@@ -180,7 +180,7 @@ def attend_aligned(
         tail_v,
         bool(tiny_k),
         bool(tiny_v),
-        _mask(mask, q32, length),
+        mask32,
         _scaling(scaling, q),
         v8.float().contiguous(),
         float(v_thresholds[0]),
