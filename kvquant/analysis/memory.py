@@ -35,53 +35,43 @@ def _storage(t: torch.Tensor) -> tuple[int, int] | None:
     return storage.data_ptr(), storage.nbytes()
 
 
-def held_bytes(obj: Any) -> int:
-    """Bytes of every distinct tensor storage reachable from ``obj`` (attributes, lists, dicts, tuples)."""
+def _reachable_bytes(obj: Any, transient: bool) -> int:
+    """Bytes of every distinct tensor storage reachable from ``obj`` (attributes, lists, dicts, tuples):
+    those outside any ``transient_attributes`` (``transient`` False) or those inside them (True)."""
     seen_objects: set[int] = set()
     storages: dict[tuple[str, int], int] = {}
-    stack = [obj]
+    stack: list[tuple[Any, bool]] = [(obj, False)]
     while stack:
-        x = stack.pop()
+        x, inside = stack.pop()
         if id(x) in seen_objects or x is None or isinstance(x, (str, bytes, int, float, bool, torch.nn.Module)):
             continue
         seen_objects.add(id(x))
         if isinstance(x, torch.Tensor):
             found = _storage(x)
-            if found is not None and found[1]:
+            if found is not None and found[1] and inside == transient:
                 storages[(str(x.device), found[0])] = found[1]
             continue
         if isinstance(x, dict):
-            stack.extend(x.values())
+            stack.extend((v, inside) for v in x.values())
         elif isinstance(x, (list, tuple, set, frozenset)):
-            stack.extend(x)
+            stack.extend((v, inside) for v in x)
         elif hasattr(x, "__dict__"):
-            skip = getattr(x, "transient_attributes", ())
-            stack.extend(v for k, v in vars(x).items() if k not in skip)
+            names = getattr(x, "transient_attributes", ())
+            stack.extend((v, inside or k in names) for k, v in vars(x).items())
         if hasattr(x, "__slots__"):
-            stack.extend(getattr(x, s, None) for s in x.__slots__)
+            stack.extend((getattr(x, s, None), inside) for s in x.__slots__)
     return sum(storages.values())
+
+
+def held_bytes(obj: Any) -> int:
+    """Bytes of every distinct tensor storage reachable from ``obj``, per-forward workspaces excepted."""
+    return _reachable_bytes(obj, transient=False)
 
 
 def transient_bytes(obj: Any) -> int:
     """Bytes of the per-forward workspaces reachable from ``obj`` (attributes an object names in
     ``transient_attributes``; module docstring): a decode step's transient, not held memory."""
-    seen: set[int] = set()
-    parts: list[Any] = []
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if id(x) in seen or x is None or isinstance(x, (str, bytes, int, float, bool, torch.Tensor, torch.nn.Module)):
-            continue
-        seen.add(id(x))
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            stack.extend(x)
-        elif hasattr(x, "__dict__"):
-            names = getattr(x, "transient_attributes", ())
-            parts.extend(vars(x)[k] for k in names if k in vars(x))
-            stack.extend(v for k, v in vars(x).items() if k not in names)
-    return held_bytes(parts)
+    return _reachable_bytes(obj, transient=True)
 
 
 class StepPeak(TorchDispatchMode):

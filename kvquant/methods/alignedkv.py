@@ -43,7 +43,8 @@ WIDTHS = (8, 12, 16)
 V8_MAGNITUDES = high_byte_values(torch.arange(256, dtype=torch.uint8))
 """``|v8|`` of every plane-A byte: the value rule's table for ``kernels_cpu.attend_aligned``."""
 FUSED_SCORE_BYTES = 1 << 28
-"""Most fp64 scores (query rows × tokens × 8 bytes, per KV head) ``attend_aligned`` holds at once."""
+"""Most bytes of fp64 scores (query rows of every head × tokens × 8) ``attend_aligned`` may hold at once;
+a step needing more takes the torch rule (its threads hold one KV head's rows each, so this bounds them)."""
 
 
 def _scores(

@@ -229,7 +229,7 @@ class AquaKVLayer(KVLayer):
         if leaving_k is not None:
             prev = None
             if reconstructs and self.needs_previous():
-                prev = self.owner.previous_rows(self.layer_idx, start, start + leaving_k.shape[-2])
+                prev = self.owner.previous(self.layer_idx, start, start + leaving_k.shape[-2])
             self.code(leaving_k, leaving_v, start, prev)
         if reconstructs:
             self.owner.fill_workspace(self)
@@ -491,17 +491,11 @@ class AquaKVCache(KVCache):
             self.pos_lo += cut
 
     def previous(self, layer_idx: int, lo: int, hi: int) -> Rows | None:
-        """Layer ``l − 1``'s reconstruction covering positions ``[lo, hi)`` (from the hand-off, else rebuilt)."""
+        """Layer ``l − 1``'s reconstruction covering positions ``[lo, hi)``: this forward's (the kernel
+        path's workspace rows, or the torch path's hand-off), else rebuilt from the codes."""
         if layer_idx == 0:
             return None
-        got = self._handoff.get(layer_idx - 1)
-        if got is not None and got[0] <= lo and got[0] + got[1].shape[1] >= hi:
-            return got
-        return self.rebuild(layer_idx - 1)
-
-    def previous_rows(self, layer_idx: int, lo: int, hi: int) -> Rows | None:
-        """Kernel backends: layer ``l − 1``'s workspace rows covering ``[lo, hi)`` in this forward (else rebuilt)."""
-        got = self.workspace.get(layer_idx - 1)
+        got = self.workspace.get(layer_idx - 1) or self._handoff.get(layer_idx - 1)
         if got is not None and got[0] <= lo and got[0] + got[1].shape[1] >= hi:
             return got
         return self.rebuild(layer_idx - 1)
@@ -533,7 +527,7 @@ class AquaKVCache(KVCache):
         prev_k = prev_v = None
         if layer.needs_previous():
             span = (layer.code_lo, layer.code_lo + n, idx)
-            prev_k, prev_v = rows_between(self.previous_rows(idx, *span[:2]), *span)
+            prev_k, prev_v = rows_between(self.previous(idx, *span[:2]), *span)
         ops = get_backend(layer.backend).ops
         q = layer.quant
         ops.aquakv_reconstruct(
