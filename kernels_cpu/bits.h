@@ -119,20 +119,89 @@ template <int WB, bool TINY = true>
   }
 }
 
+#elif KVQ_AVX2
+
+inline vf halves(__m256i x) {
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(x)), _mm256_cvtph_ps(_mm256_extracti128_si256(x, 1))};
+}
+
+// n (<= 16) fp16 elements truncated to k; lanes past n are 0. The AVX-512 path's rule with vector
+// compares in place of mask registers.
+[[gnu::always_inline]] inline vf half_keep(const uint16_t* p, mk m, Keep k) {
+  __m256i x;
+  if (m >= W) {
+    x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else {
+    alignas(32) uint16_t t[W] = {};
+    for (int i = 0; i < m; ++i) t[i] = p[i];
+    x = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+  }
+  const __m256i exp = _mm256_set1_epi16(0x7c00);
+  const __m256i kept = _mm256_and_si256(x, _mm256_set1_epi16(short(k.mask)));
+  const __m256i special = _mm256_cmpeq_epi16(_mm256_and_si256(x, exp), exp);
+  const __m256i dead = _mm256_cmpeq_epi16(_mm256_and_si256(kept, _mm256_set1_epi16(0x7fff)), _mm256_setzero_si256());
+  const __m256i r = _mm256_or_si256(kept, _mm256_andnot_si256(dead, _mm256_set1_epi16(short(k.fill))));
+  return halves(_mm256_blendv_epi8(r, x, special));
+}
+
+template <int WB>
+inline vf planes_part(const uint8_t* a, const uint8_t* b, const uint8_t* c, int n) {
+  alignas(32) uint16_t h[W] = {};
+  for (int i = 0; i < lanes(n); ++i) h[i] = plane_scalar<WB>(a[i], WB > 8 ? nibble(b, i) : 0, WB > 12 ? nibble(c, i) : 0);
+  return halves(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+// 16 consecutive elements of the planes at WB bits: the AVX-512 path's byte shuffles, with the
+// per-word shifts as a shift and a word blend and the ternary logic as and/or.
+template <int WB, bool TINY = true>
+[[gnu::always_inline]] inline vf planes16(const uint8_t* a, const uint8_t* b, const uint8_t* c, int n) {
+  if (n < W) [[unlikely]] return planes_part<WB>(a, b, c, n);
+  const __m256i to_high = _mm256_setr_epi8(-1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7,  //
+                                           -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15);
+  const __m256i hi = _mm256_shuffle_epi8(
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))), to_high);  // a << 8
+  if constexpr (WB == 8) {
+    const __m256i magnitude = _mm256_and_si256(hi, _mm256_set1_epi16(0x7f00));
+    const __m256i fill = TINY ? _mm256_min_epu16(magnitude, _mm256_set1_epi16(0x80)) : _mm256_set1_epi16(0x80);
+    return halves(_mm256_or_si256(hi, fill));
+  } else {
+    const __m256i spread = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,  //
+                                            4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1);
+    int64_t bw;
+    std::memcpy(&bw, b, 8);
+    const __m256i bs = _mm256_shuffle_epi8(_mm256_set1_epi64x(bw), spread);
+    const __m256i bn = _mm256_blend_epi16(bs, _mm256_slli_epi16(bs, 4), 0x55);  // even words << 4
+    const __m256i nib_hi = _mm256_set1_epi16(0xf0);
+    if constexpr (WB == 12) {
+      const __m256i x = _mm256_or_si256(hi, _mm256_and_si256(bn, nib_hi));
+      const __m256i magnitude = _mm256_and_si256(x, _mm256_set1_epi16(0x7ff0));
+      const __m256i fill = TINY ? _mm256_min_epu16(magnitude, _mm256_set1_epi16(0x08)) : _mm256_set1_epi16(0x08);
+      return halves(_mm256_or_si256(x, fill));
+    } else {
+      int64_t cw;
+      std::memcpy(&cw, c, 8);
+      const __m256i cs = _mm256_shuffle_epi8(_mm256_set1_epi64x(cw), spread);
+      const __m256i cn = _mm256_blend_epi16(cs, _mm256_srli_epi16(cs, 4), 0xaa);  // odd words >> 4
+      const __m256i low = _mm256_or_si256(_mm256_and_si256(bn, nib_hi), _mm256_andnot_si256(nib_hi, cn));
+      return halves(_mm256_or_si256(hi, low));
+    }
+  }
+}
+
 #else
 
+// The fp16 patterns are put together per element, then converted 16 at a time (F16C on AVX2).
 inline vf half_keep(const uint16_t* p, mk m, Keep k) {
-  vf r{};
-  for (int i = 0; i < m; ++i) r.v[i] = half_to_float(keep_scalar(p[i], k));
-  return r;
+  uint16_t h[W] = {};
+  for (int i = 0; i < m; ++i) h[i] = keep_scalar(p[i], k);
+  return load_half_full(h);
 }
 
 template <int WB, bool TINY = true>
 inline vf planes16(const uint8_t* a, const uint8_t* b, const uint8_t* c, int n) {
-  vf r{};
-  for (int i = 0; i < lanes(n); ++i)
-    r.v[i] = half_to_float(plane_scalar<WB>(a[i], WB > 8 ? nibble(b, i) : 0, WB > 12 ? nibble(c, i) : 0));
-  return r;
+  uint16_t h[W] = {};
+  for (int i = 0; i < lanes(n); ++i) h[i] = plane_scalar<WB>(a[i], WB > 8 ? nibble(b, i) : 0, WB > 12 ? nibble(c, i) : 0);
+  return load_half_full(h);
 }
 
 #endif
