@@ -57,6 +57,35 @@ inline void exp_nonpositive(const double* in, double* out, int64_t n) {
     const __mmask8 m = __mmask8((1u << (n - i)) - 1);
     _mm512_mask_storeu_pd(out + i, m, exp8(_mm512_mask_loadu_pd(_mm512_setzero_pd(), m, in + i)));
   }
+#elif KVQ_AVX2
+  // The same polynomial; 2^k (k down to -1076) as two normal powers of two, so that a subnormal
+  // result is rounded once, as scalef rounds it.
+  constexpr double C[14] = {1.0,           1.0,           1.0 / 2,        1.0 / 6,         1.0 / 24,
+                            1.0 / 120,     1.0 / 720,     1.0 / 5040,     1.0 / 40320,     1.0 / 362880,
+                            1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};
+  auto pow2 = [](__m256d k) {  // k integral, -1022 <= k <= 0
+    const __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(k));
+    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52));
+  };
+  auto exp4 = [&](__m256d v) {
+    v = _mm256_max_pd(v, _mm256_set1_pd(-746.0));
+    const __m256d k = _mm256_round_pd(_mm256_mul_pd(v, _mm256_set1_pd(1.4426950408889634)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(k, _mm256_set1_pd(0.6931471803691238), v);
+    r = _mm256_fnmadd_pd(k, _mm256_set1_pd(1.9082149292705877e-10), r);
+    __m256d p = _mm256_set1_pd(C[13]);
+    for (int j = 12; j >= 0; --j) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(C[j]));
+    const __m256d k1 = _mm256_floor_pd(_mm256_mul_pd(k, _mm256_set1_pd(0.5)));
+    return _mm256_mul_pd(_mm256_mul_pd(p, pow2(k1)), pow2(_mm256_sub_pd(k, k1)));
+  };
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) _mm256_storeu_pd(out + i, exp4(_mm256_loadu_pd(in + i)));
+  if (i < n) {
+    alignas(32) double t[4] = {};
+    std::copy(in + i, in + n, t);
+    _mm256_store_pd(t, exp4(_mm256_load_pd(t)));
+    std::copy(t, t + (n - i), out + i);
+  }
 #else
   for (int64_t i = 0; i < n; ++i) out[i] = std::exp(in[i]);
 #endif
@@ -231,6 +260,29 @@ inline void transpose16(const float* in, int n, float* out, int64_t ld) {
     r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
   }
   for (int c = 0; c < 16; ++c) store(out + c * ld, r[c], lanes(n));
+#elif KVQ_AVX2
+  __m256 blk[2][2][8];  // [rows 8I..][columns 8T..], transposed 8x8 in place
+  for (int I = 0; I < 2; ++I)
+    for (int T = 0; T < 2; ++T) {
+      __m256* r = blk[I][T];
+      __m256 t[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + (8 * I + i) * W + 8 * T);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+      }
+      for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+      }
+    }
+  for (int c = 0; c < 16; ++c) store(out + c * ld, vf{blk[0][c / 8][c % 8], blk[1][c / 8][c % 8]}, lanes(n));
 #else
   for (int c = 0; c < W; ++c)
     for (int i = 0; i < n; ++i) out[c * ld + i] = in[i * W + c];
@@ -280,6 +332,31 @@ inline void dot_channels_f64(const float* buf, const float* const* q, int D, dou
       __m512d sum = acc[0][r][half];
       for (int u = 1; u < S; ++u) sum = _mm512_add_pd(sum, acc[u][r][half]);
       _mm512_storeu_pd(out + r * W + 8 * half, _mm512_mul_pd(sum, sc));
+    }
+#elif KVQ_AVX2
+  constexpr int S = NR == 1 ? 2 : 1;  // 4 quarter vectors per row: 8 chains for one row, 4*NR otherwise
+  __m256d acc[S][NR][4];
+  for (int u = 0; u < S; ++u)
+    for (int r = 0; r < NR; ++r)
+      for (int k = 0; k < 4; ++k) acc[u][r][k] = _mm256_setzero_pd();
+  auto step = [&](int u, int c) {
+    __m256d x[4];
+    for (int k = 0; k < 4; ++k) x[k] = _mm256_cvtps_pd(_mm_load_ps(buf + c * W + 4 * k));
+    for (int r = 0; r < NR; ++r) {
+      const __m256d qv = _mm256_set1_pd(double(q[r][c]));
+      for (int k = 0; k < 4; ++k) acc[u][r][k] = _mm256_fmadd_pd(qv, x[k], acc[u][r][k]);
+    }
+  };
+  int c = 0;
+  for (; c + S <= D; c += S)
+    for (int u = 0; u < S; ++u) step(u, c + u);
+  for (; c < D; ++c) step(0, c);
+  const __m256d sc = _mm256_set1_pd(scaling);
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < 4; ++k) {
+      __m256d sum = acc[0][r][k];
+      for (int u = 1; u < S; ++u) sum = _mm256_add_pd(sum, acc[u][r][k]);
+      _mm256_storeu_pd(out + r * W + 4 * k, _mm256_mul_pd(sum, sc));
     }
 #else
   for (int r = 0; r < NR; ++r) {

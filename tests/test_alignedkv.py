@@ -331,6 +331,24 @@ def test_larger_v_block_reads_more_bits_and_keeps_greedy_output(stories):
     assert bits == sorted(bits) and bits[0] < bits[1] and bits[-1] < 16.0
 
 
+def assert_same_reads(mine, theirs, moved: float = 1e-4) -> None:
+    """Same stores; per layer, KV head and side the same elements read, at most ``moved`` of them at
+    another width (and bits read within that share of 8 bits)."""
+    a, b = mine.stats(), theirs.stats()
+    read = {k for k in a if k.startswith(("bits_read", "widths_"))}
+    assert {k: v for k, v in a.items() if k not in read} == {k: v for k, v in b.items() if k not in read}
+    for side in ("k", "v"):
+        total = other = 0
+        for la, lb in zip(width_histograms(mine), width_histograms(theirs), strict=True):
+            for ha, hb in zip(la[side], lb[side], strict=True):
+                assert sum(ha.values()) == sum(hb.values())
+                total += sum(ha.values())
+                other += sum(abs(ha[w] - hb[w]) for w in ha) // 2
+        assert other <= moved * total, (side, other, total)
+    for key in ("bits_read", "bits_read_k", "bits_read_v"):
+        assert a[key] == pytest.approx(b[key], abs=8 * moved)
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize(
     ("name", "params"), [("alignedkv", {}), ("alignedkv_plus", {}), ("alignedkv", {"v_block": 16})], ids=str
@@ -339,7 +357,12 @@ def test_the_cpu_kernel_follows_the_torch_path(stories, name, params):
     """``backend=cpu``: the torch rules choose the widths, ``kernels_cpu`` attends over the planes at
     them. Teacher-forced along the torch path's greedy tokens the mean KL between the two is below
     1e-6 (measured 2-3e-8: fp32 summation order), the widths (so the bits read) are the same per layer
-    and head, its own greedy run first differs (if ever) at a near-tie, and beam search runs."""
+    and head up to float boundaries, its own greedy run first differs (if ever) at a near-tie, and beam
+    search runs. Up to float boundaries: the two paths sum attention in another fp32 order, so a stored
+    fp16 element can round the other way and move a score across a width threshold (on an AVX2 CPU one
+    value element of ~10^4 did); on the same stores the kernel's rule gives the torch rule's widths
+    exactly (test_kernels_cpu). So: what is stored is equal, and at most 1 in 10^4 elements per side is
+    read at another width."""
     from conftest import require_kernels_cpu
     from test_kivi import beam_search_runs
 
@@ -359,7 +382,7 @@ def test_the_cpu_kernel_follows_the_torch_path(stories, name, params):
     (free_t, _, forced_t), (free_c, forced_c, cache_c) = runs["torch"], runs["cpu"]
     assert kl_divergence(free_t.logprobs, forced_c.logprobs).mean() < 1e-6
     assert first_flip_is_near_tie(free_t.tokens, free_t.logprobs, free_c.tokens)
-    assert cache_c.stats() == forced_t.stats() and width_histograms(cache_c) == width_histograms(forced_t)
+    assert_same_reads(cache_c, forced_t)
     with get_method(name, backend="cpu", **params).attach(model) as routed:
         beam_search_runs(routed, tok, get_method(name, backend="cpu", **params))
 
