@@ -26,7 +26,7 @@ inline int code_at(const uint8_t* row, int64_t k) {
   }
 }
 
-#if KVQ_AVX512
+#if KVQ_AVX512 || KVQ_AVX2
 // Codes k .. k+7 (k a multiple of 8, so 6-bit codes start on a word) as int32 lanes; reads only their bytes.
 template <int BITS>
 inline __m256i codes8(const uint8_t* row, int64_t k) {
@@ -59,6 +59,16 @@ inline void lookup(const uint8_t* row, int64_t k0, int n, const float* grid, flo
     for (; j + 8 <= n; j += 8)
       _mm512_storeu_ps(y + 2 * j, _mm512_castpd_ps(_mm512_i32gather_pd(codes8<BITS>(row, k0 + j), pts, 8)));
   }
+#elif KVQ_AVX2
+  if (k0 % 8 == 0) {
+    const double* pts = reinterpret_cast<const double*>(grid);
+    for (; j + 8 <= n; j += 8) {
+      const __m256i c = codes8<BITS>(row, k0 + j);
+      _mm256_storeu_pd(reinterpret_cast<double*>(y + 2 * j), _mm256_i32gather_pd(pts, _mm256_castsi256_si128(c), 8));
+      _mm256_storeu_pd(reinterpret_cast<double*>(y + 2 * j + 8),
+                       _mm256_i32gather_pd(pts, _mm256_extracti128_si256(c, 1), 8));
+    }
+  }
 #endif
   for (; j < n; ++j) {
     const int c = code_at<BITS>(row, k0 + j);
@@ -79,6 +89,17 @@ inline __m512 stage(__m512 v) {
   constexpr __mmask16 high = H == 1 ? 0xAAAA : H == 2 ? 0xCCCC : H == 4 ? 0xF0F0 : 0xFF00;
   return _mm512_mask_sub_ps(_mm512_add_ps(v, p), high, p, v);
 }
+#elif KVQ_AVX2
+// The same stage on 8 lanes (h = 1, 2, 4); h = 8 pairs two registers.
+template <int H>
+inline __m256 stage(__m256 v) {
+  __m256 p;
+  if constexpr (H == 1) p = _mm256_permute_ps(v, 0xB1);
+  else if constexpr (H == 2) p = _mm256_permute_ps(v, 0x4E);
+  else p = _mm256_permute2f128_ps(v, v, 0x01);
+  constexpr int high = H == 1 ? 0xAA : H == 2 ? 0xCC : 0xF0;
+  return _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), high);
+}
 #endif
 
 // Unnormalised Walsh-Hadamard transform of p (a power of two) floats, Sylvester order (kvquant's fwht).
@@ -90,6 +111,16 @@ inline void fwht(float* x, int p) {
       __m512 v = _mm512_loadu_ps(x + i);
       v = stage<8>(stage<4>(stage<2>(stage<1>(v))));
       _mm512_storeu_ps(x + i, v);
+    }
+    h = W;
+  }
+#elif KVQ_AVX2
+  if (p >= W) {
+    for (int i = 0; i < p; i += W) {
+      const __m256 a = stage<4>(stage<2>(stage<1>(_mm256_loadu_ps(x + i))));
+      const __m256 b = stage<4>(stage<2>(stage<1>(_mm256_loadu_ps(x + i + 8))));
+      _mm256_storeu_ps(x + i, _mm256_add_ps(a, b));
+      _mm256_storeu_ps(x + i + 8, _mm256_sub_ps(a, b));
     }
     h = W;
   }
@@ -174,6 +205,30 @@ inline void sincos16(__m512 x, __m512& s, __m512& c) {
   s = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(s0), neg_s, _mm512_castps_si512(s0), sign));
   c = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(c0), neg_c, _mm512_castps_si512(c0), sign));
 }
+#elif KVQ_AVX2
+// sincos16's reduction and polynomials on 8 lanes; quadrant masks from integer compares.
+inline void sincos8(__m256 x, __m256& s, __m256& c) {
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.636619772367581343f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.5703125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(4.837512969970703125e-4f), r);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(7.54978995489188216e-8f), r);
+  const __m256 z = _mm256_mul_ps(r, r);
+  __m256 ps = _mm256_fmadd_ps(_mm256_set1_ps(-1.9515295891e-4f), z, _mm256_set1_ps(8.3321608736e-3f));
+  ps = _mm256_fmadd_ps(ps, z, _mm256_set1_ps(-1.6666654611e-1f));
+  ps = _mm256_fmadd_ps(_mm256_mul_ps(ps, z), r, r);
+  __m256 pc = _mm256_fmadd_ps(_mm256_set1_ps(2.443315711809948e-5f), z, _mm256_set1_ps(-1.388731625493765e-3f));
+  pc = _mm256_fmadd_ps(pc, z, _mm256_set1_ps(4.166664568298827e-2f));
+  pc = _mm256_fmadd_ps(_mm256_mul_ps(pc, z), z, _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
+  const __m256i q = _mm256_cvtps_epi32(n), one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2);
+  const __m256 swap = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(q, one), one));
+  const __m256i sign = _mm256_set1_epi32(int(0x80000000u));
+  const __m256i neg_s = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(q, two), two), sign);
+  const __m256i neg_c = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_add_epi32(q, one), two), two), sign);
+  const __m256 s0 = _mm256_blendv_ps(ps, pc, swap), c0 = _mm256_blendv_ps(pc, ps, swap);
+  s = _mm256_xor_ps(s0, _mm256_castsi256_ps(neg_s));
+  c = _mm256_xor_ps(c0, _mm256_castsi256_ps(neg_c));
+}
 #endif
 
 // The RoPE row of one position, as transformers' rotary modules compute it: angle_j = position *
@@ -193,6 +248,18 @@ inline void rope_row(int32_t position, const float* inv_freq, float scale, int D
     _mm512_mask_storeu_ps(cs + h + j, m, c);
     _mm512_mask_storeu_ps(sn + j, m, s);
     _mm512_mask_storeu_ps(sn + h + j, m, s);
+  }
+#elif KVQ_AVX2
+  for (; j < h; j += 8) {
+    const __m256i m = half_mask(h - j);
+    __m256 s, c;
+    sincos8(_mm256_mul_ps(_mm256_set1_ps(x), _mm256_maskload_ps(inv_freq + j, m)), s, c);
+    s = _mm256_mul_ps(s, _mm256_set1_ps(scale));
+    c = _mm256_mul_ps(c, _mm256_set1_ps(scale));
+    _mm256_maskstore_ps(cs + j, m, c);
+    _mm256_maskstore_ps(cs + h + j, m, c);
+    _mm256_maskstore_ps(sn + j, m, s);
+    _mm256_maskstore_ps(sn + h + j, m, s);
   }
 #endif
   for (; j < h; ++j) {

@@ -262,96 +262,24 @@ def test_greedy_tokens_equal_the_torch_path(built, stories, stories_predictors, 
         assert torch.equal(tokens["cpu"], tokens["torch"]), prompt
 
 
-def row_stores(cache, row: int) -> list[torch.Tensor]:
-    """Everything ``cache`` stores for batch row ``row``, layer by layer (keys, then values)."""
-    return [t[row] for layer in cache.layers for t in (*layer.stored_k(), *layer.stored_v()) if t is not None]
-
-
-def assert_rounding_flip(mine: list[torch.Tensor], theirs: list[torch.Tensor], per_layer: int) -> None:
-    """Where two stores first part (the lowest layer that differs), they differ as a rounding boundary
-    makes them: fp16 elements by at most one step, at most 2% of the code bytes."""
-    pairs = list(zip(mine, theirs, strict=True))
-    first = next(i for i, (a, b) in enumerate(pairs) if not torch.equal(a, b)) // per_layer * per_layer
-    for a, b in pairs[first : first + per_layer]:
-        assert a.shape == b.shape
-        if a.dtype == torch.float16:
-            assert (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max() <= 1
-        else:
-            assert (a != b).float().mean() <= 0.02
-
-
 @pytest.mark.numerics
 def test_left_padded_batch_and_prompt_chunks_follow_the_torch_path(built, stories, stories_predictors, monkeypatch):
     """A left-padded batch of two prompts fed in chunks (one of 20 queries, which reads RoPE from the
     forward's tables, then chunks of 7 that compute it from positions; the padding mask handed to the
-    kernel), then decoded by ``generate``. Each row is compared while the two caches store the same for
-    it: logits within 1e-3 of the torch path's at every chunk and step, and the same tokens. Attention
-    outputs that differ in the last bits (fp32 sums in another order) may put an fp16 window element,
-    a scale or a residual of the next layer's K/V on the other side of a rounding boundary (one fp16
-    step is ~5e-4 relative); the predictors then carry that into every later layer (the smollm2 test
-    below). Where that happens depends on the CPU's code path (AVX2 vs AVX-512, ``MKL_CBWR``), so where
-    a row's stores part they are checked to have parted that way (the lowest differing layer one fp16
-    step or a few code bytes apart), that row's logits of that chunk or step are not compared, and the
-    kernel cache's row is set back to the torch path's stores so that the rest is compared from the same
-    state; at least half of the (row, chunk or step) pairs are compared."""
+    kernel), then 12 greedy steps: each row's logits within 1e-3 of the torch path's wherever the two
+    caches store the same for it (``conftest.assert_rows_follow_torch``: a parting must be a rounding
+    flip, after which the row is set back to the torch path's stores)."""
+    from conftest import assert_rows_follow_torch
+
     monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(stories_predictors))
     model, tok = stories
     long = "Once upon a time, a little fox saw a big red ball in the park. He wanted to play with it, so he"
-    rows = [tok(p, return_tensors="pt").input_ids[0] for p in (long, "Tom")]
-    n = max(len(r) for r in rows)
-    ids = torch.stack([torch.cat([torch.zeros(n - len(r), dtype=torch.long), r]) for r in rows])
-    attn = torch.stack([(torch.arange(n) >= n - len(r)).long() for r in rows])
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
+    n = len(tok(long).input_ids)
     cuts = [0, *range(PROMPT_QUERIES + 4, n - 1, 7), n - 1]  # a prompt chunk (cos/sin tables), then q_len 7
     assert n - 1 > PROMPT_QUERIES + 4 + 7
     methods = {b: get_method("aquakv", window=4, backend=b) for b in ("torch", "cpu")}
-    caches = {b: m.new_cache(model) for b, m in methods.items()}
-    flips: list[bool] = []
-
-    def compare(logits: dict[str, torch.Tensor]) -> None:
-        for r in range(len(rows)):
-            mine, theirs = row_stores(caches["cpu"], r), row_stores(caches["torch"], r)
-            flips.append(not all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)))
-            if not flips[-1]:
-                torch.testing.assert_close(logits["cpu"][r], logits["torch"][r], atol=1e-3, rtol=1e-3)
-                continue
-            assert_rounding_flip(mine, theirs, len(mine) // len(caches["cpu"].layers))
-            for a, b in zip(mine, theirs, strict=True):
-                a.copy_(b)
-
-    with torch.no_grad():
-        for s, e in zip(cuts[:-1], cuts[1:], strict=True):
-            logits = {}
-            for b, method in methods.items():
-                with method.attach(model):
-                    logits[b] = model(
-                        input_ids=ids[:, s:e],
-                        attention_mask=attn[:, :e],
-                        position_ids=positions[:, s:e],
-                        past_key_values=caches[b],
-                        use_cache=True,
-                    ).logits
-            compare(logits)
-        assert caches["cpu"].layers[1].n_codes > 0
-        sequences = {}
-        for step in range(12):
-            logits = {}
-            for b, method in methods.items():
-                with method.attach(model):
-                    out = model(
-                        input_ids=sequences[b][:, -1:] if step else ids[:, -1:],
-                        attention_mask=torch.cat([attn, torch.ones(len(rows), step, dtype=attn.dtype)], 1),
-                        position_ids=positions[:, -1:] + step,
-                        past_key_values=caches[b],
-                        use_cache=True,
-                    )
-                logits[b] = out.logits
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                sequences[b] = torch.cat([sequences[b], nxt], 1) if step else nxt
-            compare(logits)
-            sequences["cpu"] = sequences["torch"].clone()  # the next step feeds both the same token
-    assert sum(flips) <= len(flips) // 2, flips
-    assert all(c.backend == b for b, c in caches.items())
+    caches = assert_rows_follow_torch(model, tok, [long, "Tom"], methods, cuts, steps=12)
+    assert caches["cpu"].layers[1].n_codes > 0
 
 
 def test_aquakv_resolves_to_the_kernels_and_refuses_sliding_windows(built, stories, capsys):
