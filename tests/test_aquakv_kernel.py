@@ -173,10 +173,13 @@ def test_kernel_matches_the_torch_path(built, threads, case):
             if n != 1:
                 continue
             assert (layer.n_codes > 0) == (prefill + steps > sink + window)
-            # the torch path's own tensors equal the rebuild from the cpu path's codes (same codes)
+            # the torch path's own tensors equal the rebuild from the cpu path's codes: the same codes,
+            # except where a value sat on a rounding boundary (as test_encode_and_reconstruct allows:
+            # under MKL_CBWR=COMPATIBLE on AVX2 one token's row of ~3000 coded differently)
             mine_k, mine_v = torch_reference(caches["cpu"], i)
-            torch.testing.assert_close(mine_k, ref_k.float(), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(mine_v, ref_v.float(), rtol=1e-5, atol=1e-5)
+            for mine, ref in ((mine_k, ref_k.float()), (mine_v, ref_v.float())):
+                apart = ((mine - ref).abs() > 1e-5 + 1e-5 * ref.abs()).any(-1).any(1)  # [batch, token]
+                assert apart.float().mean() <= 1e-3, apart.sum()
             args = kernels_cpu.aquakv_tensors(layer)
             routes = [args]
             if layer.n_codes:  # RoPE from the positions (Llama's module is the formula), and from tables
