@@ -235,6 +235,70 @@ struct KeyDequant {
       z[c] = ze[c];
     }
   }
+
+  // Scores of n keys of one group (t0 and n within it: G a multiple of SB) with the group's scale
+  // folded into each row's query, q.(s*c + z) = (q*s).c + q.z: no dequantized buffer, and the codes
+  // of a chunk are unpacked once for up to four rows. d[r*BT + t] as dot_rows writes it.
+  alignas(64) float qs[NRMAX * NC * W];
+  float bias[NRMAX];
+  int64_t folded = -1;
+  void scores(const QuantPart& k, int64_t b, int64_t h, int64_t t0, int n, int D, int G, const Rows& R, float* d) {
+    const uint8_t* codes = k.codes + b * k.cb + h * k.ch + t0 * k.ct;
+    prefetch_rows(codes + PF * k.ct, k.ct, n, D * BITS / 8);
+    const int64_t g = t0 / G;
+    if (g != folded) {
+      folded = g;
+      const int64_t off = b * k.sb + h * k.sh + g * k.s2;
+      if ((g + 1) * G < k.n) {
+        prefetch_span(k.scale + off + k.s2, 2 * D);
+        prefetch_span(k.zero + off + k.s2, 2 * D);
+      }
+      for (int r = 0; r < R.n; ++r) {
+        vf zsum = zero();
+        for (int c = 0; c < NC; ++c) {
+          const mk m = lanes(D - c * W);
+          const vf q = load(R.q[r] + c * W, m);
+          store(qs + (r * NC + c) * W, mul(q, load_half(k.scale + off + c * W, m)), lanes(W));
+          zsum = fma(q, load_half(k.zero + off + c * W, m), zsum);
+        }
+        bias[r] = hsum(zsum);
+      }
+    }
+    const bool full = D == NC * W;
+    for (int r = 0; r < R.n; r += 4) {
+      switch (std::min(4, R.n - r) + (full ? 4 : 0)) {
+        case 8: fold_rows<4, true>(codes, k.ct, n, D, r, d); break;
+        case 7: fold_rows<3, true>(codes, k.ct, n, D, r, d); break;
+        case 6: fold_rows<2, true>(codes, k.ct, n, D, r, d); break;
+        case 5: fold_rows<1, true>(codes, k.ct, n, D, r, d); break;
+        case 4: fold_rows<4, false>(codes, k.ct, n, D, r, d); break;
+        case 3: fold_rows<3, false>(codes, k.ct, n, D, r, d); break;
+        case 2: fold_rows<2, false>(codes, k.ct, n, D, r, d); break;
+        default: fold_rows<1, false>(codes, k.ct, n, D, r, d); break;
+      }
+    }
+  }
+
+  // FULL: D is a whole number of chunks (no partial unpacking).
+  template <int RG, bool FULL>
+  void fold_rows(const uint8_t* codes, int64_t ct, int n, int D, int r0, float* d) const {
+    vf part[RG][SB];
+    for (int t = 0; t < SB; ++t) {
+      vf a[2][RG];  // two chains (even and odd chunks): half the FMA latency per token
+      for (int r = 0; r < RG; ++r) a[0][r] = a[1][r] = zero();
+      if (t < n) {
+        const uint8_t* row = codes + t * ct;
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const vf x = FULL ? unpack_full<BITS>(row + c * 2 * BITS) : unpack_codes<BITS>(row + c * 2 * BITS, D - c * W);
+          for (int r = 0; r < RG; ++r)
+            a[c % 2][r] = fma(load(qs + ((r0 + r) * NC + c) * W, lanes(W)), x, a[c % 2][r]);
+        }
+      }
+      for (int r = 0; r < RG; ++r) part[r][t] = add(a[0][r], a[1][r]);
+    }
+    for (int r = 0; r < RG; ++r) store(d + (r0 + r) * BT, add(hsum16(part[r]), set1(bias[r0 + r])), lanes(n));
+  }
 };
 
 // Quantized values (per token, groups of G channels): scale/zero [.., T, D/G, 1] fp16. Each chunk's
@@ -298,6 +362,97 @@ struct ValueDequant {
       }
     }
   }
+
+  // acc[r*DMAX + :] += sum_t p[r*BT + t] * (s_t * c_t + z_t) over n quantized tokens when every chunk
+  // lies in one group (uniform): each token's scale goes into its weight, (p*s).c, and its zeros into
+  // one sum per row and group, so nothing is dequantized into a buffer.
+  void accumulate(const QuantPart& v, int64_t b, int64_t h, int64_t t0, int n, int D, int nr, const float* p,
+                  float* acc) const {
+    const uint8_t* codes = v.codes + b * v.cb + h * v.ch + t0 * v.ct;
+    const int64_t off = b * v.sb + h * v.sh + t0 * v.s2;
+    prefetch_rows(codes + PF * v.ct, v.ct, n, D * BITS / 8);
+    prefetch_rows(v.scale + off + PF * v.s2, 2 * v.s2, n, 2 * ng);
+    prefetch_rows(v.zero + off + PF * v.s2, 2 * v.s2, n, 2 * ng);
+    alignas(64) float wgt[NRMAX * W * SB];  // [row][group][token]: p * scale (ng <= D / 16 <= W groups)
+    alignas(64) float zs[NRMAX * W];        // [row][group]: sum of p * zero
+    alignas(64) float sc[SB * W], ze[SB * W];  // [token][group]
+    if (v.s2 == ng) {  // the block's scales are contiguous: whole vectors (a partial load_half would
+                       // go through a small stack copy, a store-forwarding stall per token)
+      const int count = n * ng;
+      int i = 0;
+      for (; i + W <= count; i += W) {
+        store(sc + i, load_half_full(v.scale + off + i), lanes(W));
+        store(ze + i, load_half_full(v.zero + off + i), lanes(W));
+      }
+      for (; i < count; ++i) {
+        sc[i] = half_to_float(v.scale[off + i]);
+        ze[i] = half_to_float(v.zero[off + i]);
+      }
+    } else {
+      for (int t = 0; t < n; ++t)
+        for (int g = 0; g < ng; ++g) {
+          sc[t * ng + g] = half_to_float(v.scale[off + t * v.s2 + g]);
+          ze[t * ng + g] = half_to_float(v.zero[off + t * v.s2 + g]);
+        }
+    }
+    std::fill(zs, zs + nr * ng, 0.0f);
+    for (int r = 0; r < nr; ++r)
+      for (int t = 0; t < n; ++t) {
+        const float pr = p[r * BT + t];
+        for (int g = 0; g < ng; ++g) {
+          wgt[(r * ng + g) * SB + t] = pr * sc[t * ng + g];
+          zs[r * ng + g] += pr * ze[t * ng + g];
+        }
+      }
+    const bool full = D == NC * W;
+    for (int c = 0; c < NC; ++c) {
+      for (int r = 0; r < nr; r += 4) {
+        switch (std::min(4, nr - r) + (full ? 4 : 0)) {
+          case 8: fold_values<4, true>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
+          case 7: fold_values<3, true>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
+          case 6: fold_values<2, true>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
+          case 5: fold_values<1, true>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
+          case 4: fold_values<4, false>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
+          case 3: fold_values<3, false>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
+          case 2: fold_values<2, false>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
+          default: fold_values<1, false>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
+        }
+      }
+    }
+  }
+
+  template <int RG, bool FULL>
+  void fold_values(const uint8_t* codes, int64_t ct, int n, int D, int c, int r0, const float* wgt, const float* zs,
+                   float* acc) const {
+    constexpr int SETS = RG <= 2 ? 2 : 1;  // independent FMA chains over tokens
+    const int g = g0[c];
+    vf a[SETS][RG];
+    for (int r = 0; r < RG; ++r) {
+      a[0][r] = load(acc + (r0 + r) * DMAX + c * W, lanes(W));
+      if (SETS > 1) a[SETS - 1][r] = set1(zs[(r0 + r) * ng + g]);
+    }
+    const uint8_t* col = codes + c * 2 * BITS;
+    const float* w = wgt + (r0 * ng + g) * SB;  // row r's weights at w + r * ng * SB
+    int t = 0;
+    if constexpr (SETS == 2) {
+      for (; t + 1 < n; t += 2) {
+        const vf x0 = FULL ? unpack_full<BITS>(col + t * ct) : unpack_codes<BITS>(col + t * ct, D - c * W);
+        const vf x1 = FULL ? unpack_full<BITS>(col + (t + 1) * ct) : unpack_codes<BITS>(col + (t + 1) * ct, D - c * W);
+        for (int r = 0; r < RG; ++r) {
+          a[0][r] = fma(set1(w[r * ng * SB + t]), x0, a[0][r]);
+          a[1][r] = fma(set1(w[r * ng * SB + t + 1]), x1, a[1][r]);
+        }
+      }
+    }
+    for (; t < n; ++t) {
+      const vf x = FULL ? unpack_full<BITS>(col + t * ct) : unpack_codes<BITS>(col + t * ct, D - c * W);
+      for (int r = 0; r < RG; ++r) a[0][r] = fma(set1(w[r * ng * SB + t]), x, a[0][r]);
+    }
+    for (int r = 0; r < RG; ++r) {
+      vf x = SETS > 1 ? add(a[0][r], a[SETS - 1][r]) : add(a[0][r], set1(zs[(r0 + r) * ng + g]));
+      store(acc + (r0 + r) * DMAX + c * W, x, lanes(W));
+    }
+  }
 };
 
 // ---------------------------------------------------------------- formats
@@ -308,6 +463,12 @@ template <class F, class = void>
 struct ChannelMajor : std::false_type {};
 template <class F>
 struct ChannelMajor<F, std::void_t<decltype(F::channel_major_keys)>> : std::bool_constant<F::channel_major_keys> {};
+// A format with fused_reads = true scores keys (scores) and accumulates values (accumulate) itself,
+// using the buffer where it needs one.
+template <class F, class = void>
+struct FusedReads : std::false_type {};
+template <class F>
+struct FusedReads<F, std::void_t<decltype(F::fused_reads)>> : std::bool_constant<F::fused_reads> {};
 
 // Formats may add terms that are not in the dequantized buffers (GEAR's low-rank correction):
 // key_terms adds to the raw scores of n keys, value_terms to the accumulators. None by default.
@@ -356,6 +517,20 @@ struct KiviFormat : NoTerms {
     const int q = int(std::clamp<int64_t>(vq.n - t0, 0, n));
     if (q > 0) s.value.rows(vq, b, h, t0, q, D, buf);
     if (q < n) half_rows<NC>(vw.row(b, h, t0 + q - vq.n), vw.st, n - q, D, buf + q * NC * W);
+  }
+  // Blocks wholly quantized (the window and the quantized prefix meet at a multiple of SB) are read
+  // without the buffer where the groups allow it; the rest as above.
+  static constexpr bool fused_reads = true;
+  void scores(State& s, int64_t b, int64_t h, int64_t t0, int n, const Rows& R, int D, float* buf, float* d) const {
+    if (t0 + n <= kq.n && G % SB == 0) return s.key.scores(kq, b, h, t0, n, D, G, R, d);
+    keys(s, b, h, t0, n, D, buf);
+    dot_rows<NC>(buf, n, R, D, d);
+  }
+  void accumulate(State& s, int64_t b, int64_t h, int64_t t0, int n, int nr, int D, const float* p, float* buf,
+                  float* acc) const {
+    if (t0 + n <= vq.n && s.value.uniform) return s.value.accumulate(vq, b, h, t0, n, D, nr, p, acc);
+    values(s, b, h, t0, n, D, buf);
+    accumulate_rows<NC>(buf, n, nr, p, acc);
   }
 };
 
@@ -427,7 +602,9 @@ void run_item(const F& f, const Problem& P, int64_t b, int64_t h, const Rows& R,
     if (!mask_block(P, R, t0, n, s)) continue;
     for (int i = 0; i < n; i += SB) {
       const int k = std::min(SB, n - i);
-      if constexpr (ChannelMajor<F>::value) {
+      if constexpr (FusedReads<F>::value) {
+        f.scores(st, b, h, t0 + i, k, R, D, buf, d + i);
+      } else if constexpr (ChannelMajor<F>::value) {
         if (f.keys(st, b, h, t0 + i, k, D, buf))
           dot_channels(buf, k, R, D, d + i);
         else
@@ -443,8 +620,12 @@ void run_item(const F& f, const Problem& P, int64_t b, int64_t h, const Rows& R,
     for (int r = 0; r < R.n; ++r) softmax_block(s + r * BT, m[r], l[r], acc + r * DMAX, NC * W);
     for (int i = 0; i < n; i += SB) {
       const int k = std::min(SB, n - i);
-      f.values(st, b, h, t0 + i, k, D, buf);
-      accumulate_rows<NC>(buf, k, R.n, s + i, acc);
+      if constexpr (FusedReads<F>::value) {
+        f.accumulate(st, b, h, t0 + i, k, R.n, D, s + i, buf, acc);
+      } else {
+        f.values(st, b, h, t0 + i, k, D, buf);
+        accumulate_rows<NC>(buf, k, R.n, s + i, acc);
+      }
       f.value_terms(st, b, h, t0 + i, k, R.n, D, s + i, acc);
     }
   }

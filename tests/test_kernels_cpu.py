@@ -145,11 +145,13 @@ def run_layer(layer, batch: int, kv_heads: int, prefill: int, steps: int, head_d
 
 # (bits, group, residual, batch, q heads, kv heads, prefill, decode steps, head_dim): quantized key and
 # value parts of different lengths (keys leave in blocks of R, values one at a time), head dims 8/64/128,
-# groups of 4..32 channels (several groups per 16-lane chunk, or one), a store still all window, and
+# groups of 4..32 channels (several groups per 16-lane chunk, or one), one row per KV head (MHA: the
+# folded reads' single-row path), a store still all window, and
 # one long enough (3 heads x 3000 keys) that two threads split the keys into chunks.
 KIVI_CASES = [
     (2, 32, 128, 1, 9, 3, 1000, 5, 64),
     (2, 32, 128, 1, 9, 3, 3000, 3, 64),
+    (2, 32, 128, 1, 4, 4, 600, 3, 128),
     (4, 32, 64, 2, 8, 2, 300, 3, 128),
     (2, 4, 8, 2, 6, 3, 70, 3, 8),
     (8, 8, 16, 1, 4, 2, 20, 40, 8),
