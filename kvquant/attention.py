@@ -73,13 +73,17 @@ def eager_attention(module, query, key, value, attention_mask, **kwargs) -> tupl
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = additive_mask(attention_mask, query.dtype)
     elif attention_mask is None and query.shape[2] > 1:  # SDPA's mask may be skipped for plain causal
-        n, q_len = key.shape[-2], query.shape[2]
-        allowed = torch.ones(q_len, n, dtype=torch.bool, device=query.device).tril(n - q_len)
-        attention_mask = additive_mask(allowed, query.dtype)
+        attention_mask = additive_mask(causal_allowed(query.shape[2], key.shape[-2], query.device), query.dtype)
     own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if own is not None:
         return own(module, query, key, value, attention_mask, **kwargs)
     return _generic_eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def causal_allowed(q_len: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[q_len, n]`` booleans (True = attend) of a causal step whose queries are the last ``q_len`` of
+    ``n`` keys: what a forward without a mask means (transformers skips SDPA's mask for plain causal)."""
+    return torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

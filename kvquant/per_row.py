@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvquant.attention import READER_ATTR, route_attention, stock_attention, tagged_placeholder
+from kvquant.attention import READER_ATTR, causal_allowed, route_attention, stock_attention, tagged_placeholder
 from kvquant.cache import CacheCounts
 from kvquant.errors import KvquantError
 
@@ -114,8 +114,7 @@ def row_mask(mask: torch.Tensor | None, b: int, start: int, stop: int, columns: 
     if q not in (1, n):
         return m
     allowed = m if m.dtype == torch.bool else m == 0
-    causal = torch.ones(q, n, dtype=torch.bool, device=m.device).tril(n - q)
-    if bool((allowed == causal).all()):
+    if bool((allowed == causal_allowed(q, n, m.device)).all()):
         return None
     return m
 

@@ -33,7 +33,7 @@ from kvquant.alignment import (
     value_widths,
 )
 from kvquant.attention import NAME as KVQUANT_ATTENTION
-from kvquant.attention import kernel_backend, route_attention, stock_attention, tagged_placeholder
+from kvquant.attention import causal_allowed, kernel_backend, route_attention, stock_attention, tagged_placeholder
 from kvquant.backends import check_backend, get_backend, select_backend
 from kvquant.cache import KVCache, KVGeometry, KVLayer, to_fp16_checked
 from kvquant.errors import InvalidParameterError
@@ -71,6 +71,8 @@ def _scores(
     if attention_mask is not None:
         mask = attention_mask[..., :n]
         logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    elif q_len > 1:  # no mask on a multi-token step is plain causal: the rules see no later key either
+        logits = logits.masked_fill(~causal_allowed(q_len, n, logits.device), float("-inf"))
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
@@ -214,16 +216,15 @@ class AlignedLayer(KVLayer):
     def _attend_cpu(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
         """``kernels_cpu.attend_aligned``: the value rule on fp64 scores and the attention in one C++ call
         (the key widths are a few integer ops in torch). Where that call cannot stand in for the torch
-        rule exactly — a bf16 query (the rule reads keys in the query's dtype), a multi-token step
-        without a mask, a sliding view, or scores too large to hold — the torch rule decides and
-        ``attend_planes`` reads."""
+        rule exactly — a bf16 query (the rule reads keys in the query's dtype), a sliding view, or
+        scores too large to hold — the torch rule decides and ``attend_planes`` reads. A multi-token
+        step without a mask (a prompt run whole) is causal: the kernel gets that mask spelled out."""
         store, method = self.store, self.method
         ops, n = get_backend("cpu").ops, store.n_tokens
         mask = attention_mask[..., :n] if attention_mask is not None else None
         q_rows = query.shape[1] * query.shape[2]
         fused = (
             query.dtype in (torch.float32, torch.float16)
-            and (mask is not None or query.shape[2] == 1)
             and self.first_visible == 0
             and 8 * q_rows * n <= FUSED_SCORE_BYTES
         )
@@ -240,6 +241,8 @@ class AlignedLayer(KVLayer):
                 causal=mask is None and query.shape[2] > 1,
             )
             return out.transpose(1, 2).contiguous()
+        if mask is None and query.shape[2] > 1:  # the kernel's rule reads no causal limit: spell it out
+            mask = causal_allowed(query.shape[2], n, query.device)
         wk = self.key_widths(query)
         out, wv = ops.attend_aligned(
             query,
