@@ -4,7 +4,7 @@ import json
 
 import pytest
 from conftest import ROOT, run_py
-from hydra import initialize_config_dir
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.cells import base_overrides, cell_config, command, grid, override_value, run_cells
@@ -45,6 +45,26 @@ def test_grid_checks_choices_and_base_drops_what_cells_set():
     given = ["model=stories260k", "experiment=table_tasks", "+experiment.methods.kivi2.group_size=8", "method=kivi2"]
     given += ["task.limit=3", "~experiment.tasks", "device=cpu", "seed=1"]
     assert base_overrides(given) == ["model=stories260k", "device=cpu", "seed=1"]
+
+
+def test_the_n50_tables_share_their_common_cells():
+    """table_aquakv_n50 says its fp16, kivi and 2-bit AQUA-KV cells are table_tasks_n50's: the same
+    hashes, so hours of CPU cells are computed once for both tables (and no other cell collides)."""
+    labels = {}
+    with hydra_app():
+        for preset in ("table_tasks_n50", "table_aquakv_n50"):
+            exp = compose(config_name="config", overrides=[f"experiment={preset}"]).experiment
+            for cell in grid(exp.methods, exp.tasks)[0]:
+                digest = config_hash(OmegaConf.to_container(cell_config(cell, []), resolve=True))
+                labels.setdefault(digest, set()).add((preset, cell.method, cell.task))
+    shared = {frozenset(found) for found in labels.values() if len(found) > 1}
+    pairs = [("fp16", "fp16"), ("kivi2", "kivi2"), ("kivi4", "kivi4"), ("aquakv", "aquakv2")]
+    expected = {
+        frozenset({("table_tasks_n50", ours, task), ("table_aquakv_n50", theirs, task)})
+        for ours, theirs in pairs
+        for task in ("wikitext", "longbench")
+    }
+    assert shared == expected
 
 
 def test_cells_reuse_a_sweep_compute_the_rest_and_run_py_agrees(tmp_path, monkeypatch):
