@@ -82,9 +82,14 @@ class Cell:
         return re.sub(r"[^\w.\-]+", "-", f"{self.method}_{self.task}")
 
 
+DONE = ("computed", "reused")  # the statuses of a cell with results (``skipped`` and ``pending`` have a reason)
+PENDING = "not computed yet: the table run with experiment.compute=true (its default) computes it"
+
+
 @dataclass
 class CellResult:
-    """A cell's outcome: ``computed`` now, ``reused`` from an existing results.json, or ``skipped``."""
+    """A cell's outcome: ``computed`` now, ``reused`` from an existing results.json, ``skipped`` (it
+    cannot run here), or ``pending`` (not found, and the run was asked not to compute)."""
 
     cell: Cell
     status: str
@@ -185,9 +190,10 @@ def one_line(exc: BaseException) -> str:
 
 
 def run_cells(
-    cfg: DictConfig, cells: list[Cell], run_dir: str | Path, base: list[str] | None = None
+    cfg: DictConfig, cells: list[Cell], run_dir: str | Path, base: list[str] | None = None, compute: bool = True
 ) -> list[CellResult]:
-    """Each cell's results: reused from ``cfg.results_dir`` when its hash exists, else computed and written."""
+    """Each cell's results: reused from ``cfg.results_dir`` when its hash exists, else computed and written
+    (or, with ``compute`` false, listed as pending: a long table's finished part, rendered between sessions)."""
     from experiments import evaluate
 
     base = base_overrides() if base is None else base
@@ -202,6 +208,10 @@ def run_cells(
         if found is not None:
             out.append(CellResult(cell, "reused", digest, found, json.loads(found.read_text(encoding="utf-8"))))
             print(f"cell {cell.method} × {cell.task}: reused {found}")
+            continue
+        if not compute:
+            out.append(CellResult(cell, "pending", digest, reason=PENDING))
+            print(f"cell {cell.method} × {cell.task}: pending")
             continue
         folder = Path(run_dir) / CELLS_DIR / cell.slug
         try:
@@ -257,7 +267,7 @@ def cell_row(result: CellResult, metric: str, scale: float = 1.0) -> dict[str, A
         lo, hi = bounds(data, f"fidelity/{name}")
         with_bounds |= {name: fidelity.get(name), f"{name}_lo": lo, f"{name}_hi": hi}
     reason = result.reason
-    if result.status != "skipped" and metric not in metrics:
+    if result.status in DONE and metric not in metrics:
         reason = f"no metric '{metric}' in {result.path}; it has: {', '.join(sorted(metrics))}"
     return {
         "source": "ours",
@@ -289,7 +299,7 @@ def cell_row(result: CellResult, metric: str, scale: float = 1.0) -> dict[str, A
 
 
 def counts(results: list[CellResult]) -> dict[str, int]:
-    return {s: sum(r.status == s for r in results) for s in ("computed", "reused", "skipped")}
+    return {s: sum(r.status == s for r in results) for s in (*DONE, "skipped", "pending")}
 
 
 def footnotes(table) -> tuple[dict[str, int], list[str]]:
@@ -361,7 +371,7 @@ def run_table(
         OmegaConf.to_container(exp.methods, resolve=True), OmegaConf.to_container(exp.tasks, resolve=True)
     )
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    results = run_cells(cfg, cells, run_dir)
+    results = run_cells(cfg, cells, run_dir, compute=bool(exp.get("compute", True)))
     ours = rows_for(results, shown)
     rows = [*ours, *(extra_rows(ours) if extra_rows else [])]
     table, _ = publish(render, name, pd.DataFrame(rows), run_dir, exp.figures_dir)

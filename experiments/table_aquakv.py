@@ -65,9 +65,9 @@ def markdown(ours, stem: Path) -> Path:
                 continue
             row = rows.loc[task]
             if isinstance(row.reason, str):
-                cells += [f"{'skipped' if row.status == 'skipped' else '–'} [{notes[row.reason]}]"] + ["–"] * (
-                    WIDTH - 1
-                )
+                cells += [f"{row.status if row.status in ('skipped', 'pending') else '–'} [{notes[row.reason]}]"] + [
+                    "–"
+                ] * (WIDTH - 1)
                 continue
             change = relative_change(row.value, refs.get(task))
             shown = "–" if change is None or row.method_name == REFERENCE else f"{100 * change:+.2f}%"

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from experiments.cells import FIDELITY, excludes_zero, fmt, fmt_ci, footnotes, run_table
+from experiments.cells import DONE, FIDELITY, excludes_zero, fmt, fmt_ci, footnotes, run_table
 from kvquant.eval.intervals import MIN_N_CLAIM
 
 NAME = "table_tasks"
@@ -73,7 +73,7 @@ def col(row, name: str):
 
 def _cell_text(row, notes: dict[str, int]) -> str:
     if isinstance(row.reason, str):
-        return f"{'skipped' if row.status == 'skipped' else '–'} [{notes[row.reason]}]"
+        return f"{row.status if row.status in ('skipped', 'pending') else '–'} [{notes[row.reason]}]"
     return fmt_ci(row.value, col(row, "value_lo"), col(row, "value_hi"), scale=row.scale)
 
 
@@ -84,8 +84,9 @@ def _paired_text(row) -> str:
 
 
 def paired_lines(ours, tasks: list[str]) -> list[str]:
-    """Method − fp16 on the same examples, per task, with the paired interval (fp16 and skipped cells left out)."""
-    done = ours[(ours.method_name != "fp16") & (ours.status != "skipped")]
+    """Method − fp16 on the same examples, per task, with the paired interval (fp16 and cells without
+    results left out)."""
+    done = ours[(ours.method_name != "fp16") & ours.status.isin(DONE)]
     if not len(done) or "paired" not in done or done.paired.isna().all():  # a CSV from before paired differences
         return []
     lines = [
@@ -151,7 +152,7 @@ def render(table, stem: Path) -> list[Path]:
         "| method | task | " + " | ".join(FIDELITY_HEAD.values()) + " |",
         "|---" * (2 + len(FIDELITY_HEAD)) + "|",
     ]
-    for row in ours[ours.status != "skipped"].itertuples():
+    for row in ours[ours.status.isin(DONE)].itertuples():
         lines.append(f"| {row.method} | {row.task} | " + " | ".join(fidelity_values(row, row.n)) + " |")
     return [write_markdown(stem, lines)]
 

@@ -135,7 +135,7 @@ def test_tiny_run_rows_are_their_cells(tiny):
 
     [run] = (tmp / "out" / "runs").glob("*/*/results.json")
     data = json.loads(run.read_text())
-    assert data["experiment"]["cells"] == {"computed": 8, "reused": 0, "skipped": 4}
+    assert data["experiment"]["cells"] == {"computed": 8, "reused": 0, "skipped": 4, "pending": 0}
     assert (data["experiment"]["lengths"], data["experiment"]["depths"]) == (LENGTHS, DEPTHS)
     for rec, row in zip(data["table"], table.to_dict(orient="records"), strict=True):  # results.json "table" = CSV
         assert rec == {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}

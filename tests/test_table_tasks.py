@@ -114,7 +114,8 @@ def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
     assert [r["value"] for r in records if r["status"] == "computed"] == list(done.value)
     for rec, row in zip(records, table.to_dict(orient="records"), strict=True):  # results.json "table" = the CSV
         assert rec == {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
-    assert json.loads(run.read_text())["experiment"]["cells"] == {"computed": 9, "reused": 0, "skipped": 7}
+    cells = {"computed": 9, "reused": 0, "skipped": 7, "pending": 0}
+    assert json.loads(run.read_text())["experiment"]["cells"] == cells
 
     # Again (rerun=true recomputes the table, not its cells): every finished cell is read back, untouched.
     stamps = {p: (tmp_path / p).stat().st_mtime_ns for p in done.results}
@@ -123,3 +124,15 @@ def test_task_table_equals_its_cells_and_reuses_them(tmp_path, monkeypatch):
     assert set(redone[redone.status == "reused"].results) == set(done.results)
     assert (redone.loc[by.index].value == by.value).all()
     assert {p: (tmp_path / p).stat().st_mtime_ns for p in done.results} == stamps
+
+    # experiment.compute=false: the finished part of a longer table, the rest pending (nothing computed)
+    more = [g.replace("aquakv:{}}", "aquakv:{},gear2:{}}") for g in GRID]
+    partial = pd.read_csv(run_experiment(tmp_path, *more, "experiment.compute=false") / "table_tasks.csv")
+    shown = partial[partial.source == "ours"].set_index(["method", "task"])
+    assert (shown.loc[by.index].status == "reused").all() and (shown.loc[by.index].value == by.value).all()
+    gear = shown.loc["gear2"]
+    assert len(gear) == 4 and set(gear.status) == {"pending"} and gear.value.isna().all() and gear.n.isna().all()
+    assert gear.reason.str.startswith("not computed yet").all() and not list((tmp_path / "out").rglob("gear2_*"))
+    assert all(
+        c.startswith("pending [") for c in markdown_rows((tmp_path / "fig" / "table_tasks.md").read_text())["gear2"]
+    )
