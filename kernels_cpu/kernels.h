@@ -121,15 +121,30 @@ inline void dot_channel_group(const float* buf, int n, const float* const* q, in
   }
 }
 
-inline void dot_channels(const float* buf, int n, const Rows& R, int D, float* d) {
-  int r = 0;
-  for (; r + 4 <= R.n; r += 4) dot_channel_group<4>(buf, n, R.q + r, D, d + r * BT);
-  switch (R.n - r) {
-    case 3: return dot_channel_group<3>(buf, n, R.q + r, D, d + r * BT);
-    case 2: return dot_channel_group<2>(buf, n, R.q + r, D, d + r * BT);
-    case 1: return dot_channel_group<1>(buf, n, R.q + r, D, d + r * BT);
-    default: return;
+// Calls fn.template operator()<NR>() with NR = nr clamped to 1..4: the rows of one register group, so a
+// kernel templated on its row count is instantiated once per count and picked without a switch each.
+template <class Fn>
+inline void by_row_count(int nr, Fn&& fn) {
+  switch (nr) {
+    case 1: return fn.template operator()<1>();
+    case 2: return fn.template operator()<2>();
+    case 3: return fn.template operator()<3>();
+    default: return fn.template operator()<4>();
   }
+}
+
+// by_row_count with a second template flag (FULL: the head dim fills all NC vectors).
+template <class Fn>
+inline void by_row_group(int nr, bool full, Fn&& fn) {
+  if (full)
+    by_row_count(nr, [&]<int NR>() { fn.template operator()<NR, true>(); });
+  else
+    by_row_count(nr, [&]<int NR>() { fn.template operator()<NR, false>(); });
+}
+
+inline void dot_channels(const float* buf, int n, const Rows& R, int D, float* d) {
+  for (int r = 0; r < R.n; r += 4)
+    by_row_count(R.n - r, [&]<int NR>() { dot_channel_group<NR>(buf, n, R.q + r, D, d + r * BT); });
 }
 
 // acc[r*DMAX + :] += sum_t p[r*BT + t] * buf[t] for the n buffered values.
@@ -265,18 +280,8 @@ struct KeyDequant {
       }
     }
     const bool full = D == NC * W;
-    for (int r = 0; r < R.n; r += 4) {
-      switch (std::min(4, R.n - r) + (full ? 4 : 0)) {
-        case 8: fold_rows<4, true>(codes, k.ct, n, D, r, d); break;
-        case 7: fold_rows<3, true>(codes, k.ct, n, D, r, d); break;
-        case 6: fold_rows<2, true>(codes, k.ct, n, D, r, d); break;
-        case 5: fold_rows<1, true>(codes, k.ct, n, D, r, d); break;
-        case 4: fold_rows<4, false>(codes, k.ct, n, D, r, d); break;
-        case 3: fold_rows<3, false>(codes, k.ct, n, D, r, d); break;
-        case 2: fold_rows<2, false>(codes, k.ct, n, D, r, d); break;
-        default: fold_rows<1, false>(codes, k.ct, n, D, r, d); break;
-      }
-    }
+    for (int r = 0; r < R.n; r += 4)
+      by_row_group(R.n - r, full, [&]<int NR, bool FULL>() { fold_rows<NR, FULL>(codes, k.ct, n, D, r, d); });
   }
 
   // FULL: D is a whole number of chunks (no partial unpacking).
@@ -406,18 +411,10 @@ struct ValueDequant {
       }
     const bool full = D == NC * W;
     for (int c = 0; c < NC; ++c) {
-      for (int r = 0; r < nr; r += 4) {
-        switch (std::min(4, nr - r) + (full ? 4 : 0)) {
-          case 8: fold_values<4, true>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
-          case 7: fold_values<3, true>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
-          case 6: fold_values<2, true>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
-          case 5: fold_values<1, true>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
-          case 4: fold_values<4, false>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
-          case 3: fold_values<3, false>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
-          case 2: fold_values<2, false>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
-          default: fold_values<1, false>(codes, v.ct, n, D, c, r, wgt, zs, acc); break;
-        }
-      }
+      for (int r = 0; r < nr; r += 4)
+        by_row_group(nr - r, full, [&]<int NR, bool FULL>() {
+          fold_values<NR, FULL>(codes, v.ct, n, D, c, r, wgt, zs, acc);
+        });
     }
   }
 

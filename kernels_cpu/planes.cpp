@@ -400,12 +400,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
       const int nr = int(std::min<int64_t>(4, R - r0));
       if (by_channel) {
-        switch (nr) {
-          case 1: dot_channels_f64<1>(buf, &q[r0], D, rule.scaling, dots); break;
-          case 2: dot_channels_f64<2>(buf, &q[r0], D, rule.scaling, dots); break;
-          case 3: dot_channels_f64<3>(buf, &q[r0], D, rule.scaling, dots); break;
-          default: dot_channels_f64<4>(buf, &q[r0], D, rule.scaling, dots); break;
-        }
+        by_row_count(nr, [&]<int NR>() { dot_channels_f64<NR>(buf, &q[r0], D, rule.scaling, dots); });
       } else {  // the fp16 tail, token-major
         for (int r = 0; r < nr; ++r)
           for (int t = 0; t < n; ++t) {
