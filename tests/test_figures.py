@@ -109,9 +109,10 @@ def test_collect_drops_where_the_run_wrote_its_figures(tmp_path):
     collected = json.loads((collect(run_dir, tmp_path / "results") / "results.json").read_text())
     assert collected["config"]["experiment"]["figures_dir"] == "figures"
     assert collected["experiment"]["figures"] == "figures/frontier_alignedkv"
-    assert collected["config_hash"] == json.loads((RESULTS / "frontier_alignedkv" / "results.json").read_text())[
-        "config_hash"
-    ]
+    assert (
+        collected["config_hash"]
+        == json.loads((RESULTS / "frontier_alignedkv" / "results.json").read_text())["config_hash"]
+    )
 
 
 def test_collect_copies_a_finished_run(tmp_path, capsys):
