@@ -48,11 +48,19 @@ def test_paired_difference_of_identical_samples_is_zero(values):
     assert iv.paired_interval(iv.mean(values), iv.mean(list(values))) == (0.0, 0.0)
 
 
-def test_one_example_gives_no_interval_and_a_lone_stratum_neither():
+def test_one_example_gives_no_interval_nor_do_strata_of_one():
     assert iv.interval(iv.mean([0.7])) is None
     assert iv.paired_interval(iv.mean([0.7]), iv.mean([0.2])) is None
-    assert iv.interval(iv.mean([1.0, 0.0, 1.0], strata=["a", "a", "b"])) is None  # stratum b has one example
-    assert iv.interval(iv.mean([1.0, 0.0, 1.0, 0.0], strata=["a", "a", "b", "b"])) is not None
+    assert iv.interval(iv.mean([1.0, 0.0], strata=["a", "b"])) is None  # no stratum a resample can change
+
+
+def test_a_stratum_of_one_example_is_held_fixed():
+    """LongBench's bundled 2wikimqa has one example: the average over tasks still gets an interval, the
+    one example's score entering every resample unchanged."""
+    rest = [1.0, 0.0, 1.0, 1.0, 0.0, 0.5]
+    lo, hi = iv.interval(iv.mean(rest))
+    both = iv.interval(iv.mean([*rest, 0.25], strata=["a"] * len(rest) + ["b"]))
+    assert both == pytest.approx(((lo + 0.25) / 2, (hi + 0.25) / 2), abs=1e-12)
 
 
 def test_plain_mean_equals_scipy_percentile_bootstrap():

@@ -16,8 +16,10 @@ Why a fixed seed: a rerun or a resumed table must print the same interval for th
 Why paired: method and fp16 run on the same examples, so the difference is resampled per example
 (one resample, both statistics), which removes the spread of example difficulty that two separate
 intervals would count twice; a method differs from fp16 only where that interval excludes 0.
-Fewer than 2 examples (or a stratum with fewer than 2) give no interval (``None``): one example
-says nothing about the spread, and a zero-width interval would claim certainty.
+Fewer than 2 examples give no interval (``None``): one example says nothing about the spread, and a
+zero-width interval would claim certainty. A stratified estimate (LongBench's average over tasks) gets
+one when some stratum has 2 examples or more: a stratum of one example is held fixed in every
+resample (it has no spread to resample), so the interval covers the other strata's sampling noise only.
 
 Limits: a sample with no spread (0 hits of n) gives a zero-width
 interval, since no resample can differ (for 0 of n hits read 3/n as an upper bound, the rule of
@@ -78,8 +80,9 @@ class Estimator:
         return int(self.num.size)
 
     @property
-    def min_stratum(self) -> int:
-        return min((g.size for g in self._groups), default=0)
+    def resamplable(self) -> bool:
+        """At least 2 examples, in a stratum of at least 2 (one that a resample can change)."""
+        return self.n >= 2 and any(g.size >= 2 for g in self._groups)
 
     def statistic(self, idx: np.ndarray) -> np.ndarray:
         """The estimate on each row of ``idx`` (resamples × examples, positions into the examples)."""
@@ -139,8 +142,8 @@ def _percentiles(stats: np.ndarray, level: float) -> Interval | None:
 
 
 def interval(est: Estimator, level: float = LEVEL, n_resamples: int = N_RESAMPLES, seed: int = SEED) -> Interval | None:
-    """Percentile bootstrap interval of ``est`` over its examples; None below 2 examples per stratum."""
-    if est.n < 2 or est.min_stratum < 2:
+    """Percentile bootstrap interval of ``est`` over its examples; None where no stratum has 2 examples."""
+    if not est.resamplable:
         return None
     idx = resample_indices(est.n, est.strata, n_resamples, seed)
     return _percentiles(est.statistic(idx), level)
@@ -152,7 +155,7 @@ def paired_interval(
     """Interval of ``est − ref`` on the same examples: each resample evaluates both on the same positions."""
     if not est.same_design(ref):
         raise ValueError("a paired interval needs the same examples (count and strata) on both sides")
-    if est.n < 2 or est.min_stratum < 2:
+    if not est.resamplable:
         return None
     idx = resample_indices(est.n, est.strata, n_resamples, seed)
     return _percentiles(est.statistic(idx) - ref.statistic(idx), level)
