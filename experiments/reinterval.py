@@ -18,12 +18,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from experiments.evaluate import EXAMPLES_FILE
 from kvquant.errors import KvquantError
 from kvquant.eval import intervals
+from kvquant.eval.reference import Reference
 from kvquant.eval.tasks import get_task
 from kvquant.results import RESULTS_FILE, write_results
-
-EXAMPLES_FILE = "examples.jsonl"
 
 
 def _rows(cell: Path) -> list[dict[str, Any]]:
@@ -45,15 +45,12 @@ def reinterval(cell: str | Path, reference: str | Path | None = None) -> list[st
     results = json.loads((cell / RESULTS_FILE).read_text(encoding="utf-8"))
     params = {k: v for k, v in results["config"]["task"].items() if k != "name"}
     task = get_task(results["config"]["task"]["name"], **params)
-    if not hasattr(task, "estimators"):
+    if not hasattr(task, "paired"):
         raise KvquantError(f"task {task.name} has no per-example estimators; reinterval cannot recompute it")
     rows, keys = _rows(cell), list(results["metrics"])
     paired = None
-    if reference is not None:
-        ref_rows = {str(r["id"]): r for r in _rows(Path(reference))}
-        common = [r for r in rows if str(r["id"]) in ref_rows]
-        mine, theirs = task.estimators(common, keys), task.estimators([ref_rows[str(r["id"])] for r in common], keys)
-        paired = {name: (est, theirs[name]) for name, est in mine.items() if name in theirs}
+    if reference is not None:  # fp16's rows as the reference values the run itself paired against
+        paired = task.paired(rows, keys, Reference(values={str(r["id"]): r for r in _rows(Path(reference))}))
     ci95, counts, diffs, problems = intervals.blocks(
         {"metrics": task.estimators(rows, keys)}, {"metrics": results["metrics"]}, paired
     )

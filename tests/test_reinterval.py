@@ -41,7 +41,7 @@ def test_restores_the_longbench_average_interval_and_keeps_the_rest(tmp_path):
     assert reinterval(trunc, fp16) == []
 
 
-def test_a_cell_whose_interval_does_not_reproduce_is_left_alone(tmp_path, capsys):
+def test_a_cell_whose_interval_does_not_reproduce_is_left_alone(tmp_path):
     fp16, trunc = _cell("fp16_longbench", tmp_path), _cell("truncation_longbench", tmp_path)
     results = json.loads((trunc / RESULTS_FILE).read_text())
     results["ci95"]["metrics/qasper"] = [0.0, 99.0]
