@@ -84,7 +84,8 @@ def markdown(ours, stem: Path) -> Path:
         "Bits stored: measured from the tensors each cache held in that cell (scales, fp16 sink and window "
         "included, so short contexts read high); analytic: the method's asymptotic bits per value. "
         f"KL: mean KL({REFERENCE} ‖ method) of next-token distributions in nats, meaningful at any model size. "
-        f"Brackets: 95% percentile-bootstrap interval over examples (fixed seed; none where n < 2); Δ paired: "
+        f"Brackets: 95% percentile-bootstrap interval over examples (fixed seed; none where no stratum has 2 "
+        f"examples, as where n < 2); Δ paired: "
         f"method − {REFERENCE} on the same examples in the metric's units, * where its interval excludes 0 "
         f"with n ≥ {MIN_N_CLAIM} (elsewhere this n cannot tell the method from fp16). "
         "n: " + ", ".join(f"{t} {int(v.max())}" for t, v in n.items() if len(v)) + ".",

@@ -104,7 +104,7 @@ def paired_lines(ours, tasks: list[str]) -> list[str]:
         "",
         f"\\* the interval excludes 0 and n ≥ {MIN_N_CLAIM}: the method's score differs from fp16's beyond "
         "resampling noise; elsewhere this n cannot tell it from fp16's (below that n the bootstrap interval is "
-        "too narrow to trust; no interval: n < 2, or a results.json from before intervals).",
+        "too narrow to trust; no interval: no stratum with 2 examples, or a results.json from before intervals).",
     ]
 
 
@@ -142,7 +142,8 @@ def render(table, stem: Path) -> list[Path]:
         f"The {PUBLISHED_SOURCE} rows are their numbers on their model and full task sets, not ours; "
         "our metric per column is in its header (×100: a fraction shown as %). "
         "Small n: read the fidelity table below, which is meaningful at any model size. "
-        "Brackets: 95% percentile-bootstrap interval over examples (fixed seed); none where n < 2; zero width "
+        "Brackets: 95% percentile-bootstrap interval over examples (fixed seed); none where no stratum has 2 examples "
+        "(n < 2; LongBench resamples within its tasks and holds a one-example task fixed); zero width "
         "where every example scored the same (the bootstrap sees no spread: for 0 of n read 3/n as the bound).",
         *(["", *note_lines] if note_lines else []),
         *paired_lines(ours, tasks),
