@@ -393,7 +393,7 @@ int64_t packed_bytes(int64_t n, int bits) {  // kvquant.quant.bitpack.packed_siz
 
 at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_scales, const Opt& v_codes,
                         const Opt& v_scales, const Opt& cos, const Opt& sin, const Opt& positions,
-                        const Opt& inv_freq, double rope_scale, const Opt& k_sinks, const Opt& v_sinks,
+                        const Opt& inv_freq, double rope_scale, bool post_rope, const Opt& k_sinks, const Opt& v_sinks,
                         const at::Tensor& k_recent, const at::Tensor& v_recent, const at::Tensor& grid,
                         const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits, int64_t group,
                         const Opt& mask, bool causal, double scaling) {
@@ -424,9 +424,12 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
   const bool coded = k_codes.has_value();
   const bool tables = cos.has_value() || sin.has_value();
   TORCH_CHECK(coded == k_scales.has_value() && coded == v_codes.has_value() && coded == v_scales.has_value() &&
-                  (!coded || tables != positions.has_value()) && tables == (cos.has_value() && sin.has_value()) &&
+                  (!coded || (post_rope ? !(tables || positions.has_value()) : tables != positions.has_value())) &&
+                  tables == (cos.has_value() && sin.has_value()) &&
                   positions.has_value() == inv_freq.has_value() && (coded || !(tables || positions.has_value())),
-              "higgs: give codes and scales for keys and values with cos/sin or positions/inv_freq, or none of them");
+              "higgs: give codes and scales for keys and values with cos/sin or positions/inv_freq (neither for keys "
+              "coded after RoPE), or none of them");
+  a.post_rope = post_rope;
   if (coded) {
     const int64_t nbytes = packed_bytes(groups * a.P / 2, a.bits);
     a.nc = k_codes->size(1);
@@ -464,7 +467,7 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
       a.sin = sin->data_ptr<float>();
       a.sb = sin->stride(0);
       a.st = sin->stride(1);
-    } else {
+    } else if (!post_rope) {
       const at::Tensor& p = *positions;
       TORCH_CHECK(p.scalar_type() == at::kInt && p.dim() == 2 && p.size(0) == B && p.size(1) == a.nc,
                   "higgs: positions must be int32 [", B, ", ", a.nc, "], got ", p.scalar_type(), " ", p.sizes());

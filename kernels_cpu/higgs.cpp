@@ -9,7 +9,8 @@
 //   transform on the S_p axis, the dense H_m mix), signs, scale and RoPE in one pass into the small
 //   per-head key buffer the driver's dot_rows reads; nothing else is written. RoPE's cos/sin come
 //   from the position (a vector sincos per token, 4 bytes read) where the rotary module is that
-//   formula, else from the tables the torch path uses (8*D bytes per token);
+//   formula, else from the tables the torch path uses (8*D bytes per token). Keys coded after RoPE
+//   (higgs_post_rope) skip RoPE: signs and scale only;
 // - values: the rotation is linear, so sum_t p_t v_t = signs * H (sum_t p_t s_t y_t) / sqrt(P):
 //   each row accumulates p*s*y in the rotated domain (P floats) and the inverse rotation runs once
 //   per query row after the chunks are merged, never per token.
@@ -101,6 +102,16 @@ inline void rope_key(const float* g, const float* sg, float scale, const float* 
   std::fill(dst + D, dst + width, 0.0f);
 }
 
+// Key of one head from its rotated-back channels g, coded after RoPE: signs and scale only.
+inline void plain_key(const float* g, const float* sg, float scale, int D, int width, float* dst) {
+  const vf sv = set1(scale);
+  for (int l = 0; l < D; l += W) {
+    const mk m = lanes(D - l);
+    store(dst + l, mul(mul(load(g + l, m), load(sg + l, m)), sv), m);
+  }
+  std::fill(dst + D, dst + width, 0.0f);
+}
+
 // Keys [tb, te) for one tile; writes m, l, the plain accumulator (D) and the rotated one (P) per row.
 template <int NC, int BITS>
 void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows& R, const std::vector<HeadSpan>& spans,
@@ -145,6 +156,13 @@ void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows
           lookup<BITS>(a.kc + b * a.kcb + ci * a.kct, gi * half, half, a.grid, y.data());
           rotate_back(y.data(), tmp.data(), rot);
           const float scale = half_to_float(a.ks[b * a.ksb + ci * a.kst + gi]) * inv_sqrt;
+          if (a.post_rope) {
+            for (int h = 0; h < ns; ++h) {
+              const int c0 = spans[h].hl * D;
+              plain_key(y.data() + c0, a.signs + c0, scale, D, NCW, keys.data() + (h * SB + j) * NCW);
+            }
+            continue;
+          }
           const float* cs = cbuf;
           const float* sn = sbuf;
           if (a.pos != nullptr) {

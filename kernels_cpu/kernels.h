@@ -798,6 +798,7 @@ struct HiggsArgs {
   int64_t pb = 0, pt = 0;
   const float* inv_freq = nullptr;
   float rope_scale = 1.0f;
+  bool post_rope = false;  // keys coded after RoPE: nothing to re-apply, no positions or tables
   int64_t nc = 0, ns = 0, nr = 0;  // coded, sink and recent tokens
   Half4 sink_k, sink_v, recent_k, recent_v;
   const float *grid = nullptr, *signs = nullptr, *outer = nullptr;

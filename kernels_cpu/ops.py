@@ -387,6 +387,7 @@ def attend_higgs(
     positions: torch.Tensor | None = None,
     inv_freq: torch.Tensor | None = None,
     rope_scale: float = 1.0,
+    post_rope: bool = False,
     mask: torch.Tensor | None = None,
     scaling: float | None = None,
     causal: bool = False,
@@ -397,7 +398,8 @@ def attend_higgs(
     code, over the whole row of Hkv·D channels) and fp16 scales ``[B, n, groups]``; keys are coded
     before RoPE, which is re-applied with ``cos``/``sin`` fp32 ``[B, n, D]`` or, with those None, computed
     per token as transformers' rotary modules do, ``cos/sin(positions · inv_freq) · rope_scale`` (int32
-    ``positions`` ``[B, n]``, ``inv_freq`` ``[D/2]``). Sinks and window: fp16 ``[B, Hkv, *, D]`` after
+    ``positions`` ``[B, n]``, ``inv_freq`` ``[D/2]``); ``post_rope``: keys coded after RoPE
+    (``higgs_post_rope``), nothing re-applied, no RoPE inputs given. Sinks and window: fp16 ``[B, Hkv, *, D]`` after
     RoPE. The quantizer: ``grid`` ``[2^code_bits, 2]``, ``signs`` ``[P]``, the dense Hadamard factor
     ``outer`` ``[m, m]`` (P = m·2^k), ``group`` channels per scale (a multiple of D). Nothing coded yet:
     codes, scales and RoPE inputs None. ``higgs_tensors(layer)`` gives all of these.
@@ -416,6 +418,7 @@ def attend_higgs(
         positions,
         inv_freq,
         float(rope_scale),
+        bool(post_rope),
         k_sinks,
         v_sinks,
         k_recent,

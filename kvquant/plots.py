@@ -23,6 +23,7 @@ METHOD_COLORS = {
     "gear_l2": "#6a3d9a",
     "gear_l4": "#b294c7",
     "higgs": "#8c564b",
+    "higgs_post_rope": "#c49c94",
     "aquakv": "#e377c2",
     "aquakv_k_only": "#f7b6d2",
     "aquakv_v_only": "#c51b7d",

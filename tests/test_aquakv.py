@@ -16,7 +16,7 @@ from kvquant.data import tinystories_pieces
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.eval.perplexity import chunked_nll
 from kvquant.methods.aquakv import SINK, WINDOW, PredictorFileError, Predictors, model_identity
-from kvquant.methods.aquakv.predictors import encode_pair, load_cached, to_rows
+from kvquant.methods.aquakv.predictors import encode_pair, from_rows, load_cached, to_rows
 from kvquant.quant.rope import rope_tables, undo_rope
 
 NAMES = ["higgs", "aquakv", "aquakv_k_only", "aquakv_v_only"]
@@ -174,6 +174,40 @@ def test_returned_keys_are_rotated_back_correctly(stories):
         assert torch.equal(got[:, :, q.stop :], ref[:, :, q.stop :].half().float())
         err = ((got[:, :, q] - ref[:, :, q]).pow(2).sum() / ref[:, :, q].pow(2).sum()).item()
         assert err < 0.02, (layer, err)
+
+
+def test_post_rope_keys_are_coded_as_handed_and_keep_no_positions(stories):
+    """``higgs_post_rope`` codes the keys the model hands over (no RoPE taken off or put back): each
+    coded key attention gets back is the quantizer's round trip of that very key; no positions are
+    held, so it stores exactly layer 0's int32 per token less than ``higgs``."""
+    model, tok = stories
+    ids = story_ids(tok, 260)
+    caches, seen = {}, {}
+    for name in ("higgs", "higgs_post_rope"):
+        caches[name] = get_method(name, bits=4).new_cache(model)
+        seen[name] = record_inputs(caches[name])
+        feed(model, ids, caches[name], 64)
+    cache, coded = caches["higgs_post_rope"], slice(SINK, 260 - WINDOW)
+    assert cache.positions is None and caches["higgs"].positions.shape == (1, 260)
+    for layer in cache.layers:
+        handed = torch.cat(seen["higgs_post_rope"][layer.layer_idx]["k"], dim=2)[:, :, coded]
+        rows = to_rows(handed.half().float())
+        expected = from_rows(layer.quant.roundtrip(rows), layer.n_heads)
+        got = seen["higgs_post_rope"][layer.layer_idx]["out"][0][:, :, coded]
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert not torch.equal(seen["higgs"][layer.layer_idx]["out"][0][:, :, coded], got)
+    # layer 0 sees the same input either way: its values are coded alike
+    assert torch.equal(seen["higgs"][0]["out"][1], seen["higgs_post_rope"][0]["out"][1])
+    pre, post = caches["higgs"].stats(), cache.stats()
+    assert post["bytes_by_part"]["positions"] == 0 and pre["bytes"] - post["bytes"] == 4 * 260
+    assert post["elements"] == pre["elements"]
+
+
+def test_post_rope_keys_refuse_predictors():
+    from kvquant.methods.aquakv import AquaKVCache
+
+    with pytest.raises(InvalidParameterError, match="predictors read pre-RoPE keys"):
+        AquaKVCache([], torch.nn.Identity(), Predictors(header={}), post_rope=True)
 
 
 def test_stats_count_every_byte_and_report_predictors_apart(stories, calibrated, env_dir):

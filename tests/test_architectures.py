@@ -202,7 +202,8 @@ def test_sliding_layers_hold_only_their_window(name):
     truncation hold exactly the ``window − 1`` tokens transformers' sliding layers keep. HIGGS/AQUA-KV
     (``aquakv/cache.py``): no sinks, the window's ``window − 1`` tokens in fp16, and codes of none
     (HIGGS) or, for AQUA-KV, of every older non-sink token, which layer 1's predictor reads; layer 0
-    also holds the positions of every token, which the full layer 1 still needs."""
+    also holds the positions of every token, which the full layer 1 still needs (but for keys coded
+    after RoPE, which need none)."""
     _, _, cache = run("gemma2", name)
     geometry = KVGeometry.of(tiny("gemma2").config)
     assert cache.is_sliding == [True, False]
@@ -219,7 +220,8 @@ def test_sliding_layers_hold_only_their_window(name):
         coded = seen - (WINDOW - 1) - SINK if name in NEEDS_PREDICTORS else 0
         assert (layer.n_sinks, layer.n_recent, layer.n_codes) == (0, WINDOW - 1, coded)
         code_bytes = coded * per_token * layer.quant.bits_per_value() / 8  # codes and scales, K and V
-        assert sliding.bytes_k + sliding.bytes_v == 2 * per_token * (WINDOW - 1) + code_bytes + 4 * seen
+        positions = 0 if cache.post_rope else 4 * seen  # higgs_post_rope keeps none
+        assert sliding.bytes_k + sliding.bytes_v == 2 * per_token * (WINDOW - 1) + code_bytes + positions
 
 
 def test_gemma3_keys_are_unrotated_with_each_layers_rope():

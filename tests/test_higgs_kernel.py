@@ -35,8 +35,11 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL)
 
 
-def higgs_cache(kv_heads: int, head_dim: int, bits: int, group: int, sink: int, window: int) -> AquaKVCache:
-    """One higgs layer in a cache whose RoPE is transformers' Llama rotary module for this head dim."""
+def higgs_cache(
+    kv_heads: int, head_dim: int, bits: int, group: int, sink: int, window: int, post_rope: bool = False
+) -> AquaKVCache:
+    """One higgs layer in a cache whose RoPE is transformers' Llama rotary module for this head dim
+    (``post_rope``: keys coded as handed, ``higgs_post_rope``'s cache)."""
     config = T.LlamaConfig(
         hidden_size=2 * kv_heads * head_dim,
         num_attention_heads=2 * kv_heads,
@@ -45,7 +48,8 @@ def higgs_cache(kv_heads: int, head_dim: int, bits: int, group: int, sink: int, 
         num_hidden_layers=1,
     )
     quant = Higgs(kv_heads * head_dim, bits, group)
-    return AquaKVCache([AquaKVLayer(0, quant, None, None, sink, window)], LlamaRotaryEmbedding(config), None)
+    layers = [AquaKVLayer(0, quant, None, None, sink, window)]
+    return AquaKVCache(layers, LlamaRotaryEmbedding(config), None, post_rope=post_rope)
 
 
 # (batch, q heads, kv heads, head_dim, bits, group, sink, window, prefill, decode steps):
@@ -96,6 +100,35 @@ def test_kernel_matches_the_torch_path(built, threads, case):
     causal = padded_causal(b, 3, length, [0] * b)
     out = kernels_cpu.attend_higgs(q, **args, causal=True, scaling=0.3)
     assert_close(out, reference(q, k, v, causal, scaling=0.3))
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 6, 7, 10)], ids=lambda c: "x".join(map(str, c)))
+def test_keys_coded_after_rope_match_the_torch_path(built, threads, case):
+    """``higgs_post_rope``'s store: no RoPE inputs, the kernel applies signs and scale only, and equals
+    attention over what the torch path hands the model; RoPE inputs beside ``post_rope`` are refused."""
+    b, hq, hkv, d, bits, group, sink, window, prefill, steps = case
+    torch.manual_seed(prefill + bits + 1)
+    cache = higgs_cache(hkv, d, bits, group, sink, window, post_rope=True)
+    shift = torch.linspace(-1, 1, d)
+    k, v = cache.update(torch.randn(b, hkv, prefill, d) + shift, torch.randn(b, hkv, prefill, d), 0)
+    for _ in range(steps):
+        k, v = cache.update(torch.randn(b, hkv, 1, d) + shift, torch.randn(b, hkv, 1, d), 0)
+    layer, length = cache.layers[0], k.shape[2]
+    assert layer.n_codes > 0 and cache.positions is None
+    args = kernels_cpu.higgs_tensors(layer)
+    assert args["post_rope"] and args["cos"] is None and "positions" not in args
+    for q_len in (1, 4):
+        q = torch.randn(b, hq, q_len, d)
+        mask = padded_causal(b, q_len, length, [min(5 * i, length - q_len) for i in range(b)])
+        assert_close(kernels_cpu.attend_higgs(q, **args, mask=mask), reference(q, k, v, mask))
+    q = torch.randn(b, hq, 3, d)
+    out = kernels_cpu.attend_higgs(q, **args, causal=True, scaling=0.3)
+    assert_close(out, reference(q, k, v, padded_causal(b, 3, length, [0] * b), scaling=0.3))
+    positions = torch.zeros(b, layer.n_codes, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="neither for keys coded after RoPE"):
+        kernels_cpu.attend_higgs(q, **args, positions=positions, inv_freq=torch.ones(d // 2))
+    with pytest.raises(RuntimeError, match="neither for keys coded after RoPE"):
+        kernels_cpu.attend_higgs(q, **{**args, "post_rope": False})
 
 
 @pytest.mark.parametrize("start", [0, 100_000, 3_000_000])
@@ -182,8 +215,8 @@ def test_kernel_matches_the_torch_path_on_smollm2(built, smollm2):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("bits", [2, 4])
-def test_backend_cpu_follows_the_torch_path(built, stories, bits):
+@pytest.mark.parametrize(("name", "bits"), [("higgs", 2), ("higgs", 4), ("higgs_post_rope", 2)])
+def test_backend_cpu_follows_the_torch_path(built, stories, name, bits):
     """``backend=cpu`` attends over the codes as stored: teacher-forced along the torch path's greedy
     tokens the mean KL between the two is below 1e-6 (fp32 summation order only: the codes are the
     same), its own greedy run first differs (if ever) at a near-tie, what is stored and read is
@@ -192,10 +225,10 @@ def test_backend_cpu_follows_the_torch_path(built, stories, bits):
     from test_kivi import beam_search_runs
 
     model, tok = stories
-    cache_c = assert_kernels_follow_torch(model, tok, "higgs", bits=bits, window=16)
+    cache_c = assert_kernels_follow_torch(model, tok, name, bits=bits, window=16)
     assert cache_c.layers[0].n_codes > 0
-    with get_method("higgs", window=8, backend="cpu").attach(model) as routed:
-        beam_search_runs(routed, tok, get_method("higgs", window=8, backend="cpu"))
+    with get_method(name, window=8, backend="cpu").attach(model) as routed:
+        beam_search_runs(routed, tok, get_method(name, window=8, backend="cpu"))
 
 
 @pytest.mark.numerics

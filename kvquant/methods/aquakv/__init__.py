@@ -14,6 +14,7 @@ from kvquant.methods.aquakv.method import (
     WINDOW,
     AquaKVMethod,
     HiggsMethod,
+    HiggsPostRopeMethod,
 )
 from kvquant.methods.aquakv.predictors import PredictorFileError, Predictors, model_identity, predictor_dir
 
@@ -26,6 +27,7 @@ __all__ = [
     "AquaKVLayer",
     "AquaKVMethod",
     "HiggsMethod",
+    "HiggsPostRopeMethod",
     "PredictorFileError",
     "Predictors",
     "model_identity",

@@ -16,7 +16,8 @@ the token positions — ``position_ids`` when transformers passes them (5.24: ``
 ``cache_position`` of 5.17's positional ``cache_kwargs``, else its own running count — and checks
 once against the ``cos``/``sin`` that 5.17 hands over. A module with a table per layer type
 (Gemma-3's local and global bases) is asked for each layer's own type (``rope_layer_types``). No
-modeling file is forked.
+modeling file is forked. ``post_rope`` (``higgs_post_rope``, no predictors) codes keys as handed:
+no RoPE undone or redone, no positions kept.
 
 Sliding-window layers (``window``: ``KVGeometry.window``) hand attention exactly what
 ``get_mask_sizes`` promised (the newest ``window − 1`` tokens before the update and the new ones),
@@ -233,7 +234,8 @@ class AquaKVLayer(KVLayer):
             self.code(leaving_k, leaving_v, start, prev)
         if reconstructs:
             self.owner.fill_workspace(self)
-        needs_tables = self.qk is not None and self.owner.rope_formula(self.layer_idx) is None
+        rope = self.qk is not None and not self.owner.post_rope
+        needs_tables = rope and self.owner.rope_formula(self.layer_idx) is None
         self._step_rope = (
             self.owner.quantized_rope(self.layer_idx, self.code_lo, self.n_codes) if needs_tables else None
         )
@@ -256,9 +258,12 @@ class AquaKVLayer(KVLayer):
     def kernel_rope(self) -> dict[str, Any]:
         """How a kernel re-applies RoPE to the coded (pre-RoPE) keys: their int32 ``positions`` with the
         rotary module's ``inv_freq`` and ``rope_scale`` where its tables are that formula
-        (``AquaKVCache.rope_formula``), else this step's fp32 ``cos``/``sin`` tables; {} before any code."""
+        (``AquaKVCache.rope_formula``), else this step's fp32 ``cos``/``sin`` tables; {} before any code;
+        ``post_rope`` where the keys were coded after RoPE (nothing to re-apply)."""
         if self.qk is None:
             return {}
+        if self.owner.post_rope:
+            return {"post_rope": True}
         formula = self.owner.rope_formula(self.layer_idx)
         if formula is not None:
             lo = self.code_lo - self.owner.pos_lo
@@ -308,8 +313,10 @@ class AquaKVLayer(KVLayer):
             s = max(self.code_lo, first)
             n = self.code_lo + self.n_codes - s
             if n > 0:
-                cos, sin = self.owner.quantized_rope(self.layer_idx, s, n)
-                parts_k.append(apply_rope(from_rows(rk[:, s - self.code_lo :], self.n_heads), cos, sin))
+                k = from_rows(rk[:, s - self.code_lo :], self.n_heads)
+                if not self.owner.post_rope:
+                    k = apply_rope(k, *self.owner.quantized_rope(self.layer_idx, s, n))
+                parts_k.append(k)
                 parts_v.append(from_rows(rv[:, s - self.code_lo :], self.n_heads))
         parts_k.append(tail(self.k_win.recent, self.seen - self.n_recent, first))
         parts_v.append(tail(self.v_win.recent, self.seen - self.n_recent, first))
@@ -322,12 +329,13 @@ class AquaKVLayer(KVLayer):
         return self.pred_k is not None or self.pred_v is not None
 
     def code(self, ek: torch.Tensor, ev: torch.Tensor, start: int, prev: Rows | None) -> None:
-        """Quantize fp16 tokens at positions ``[start, start + m)`` (post-RoPE keys) and append their codes."""
+        """Quantize fp16 tokens at positions ``[start, start + m)`` (post-RoPE keys, coded with RoPE taken
+        off unless the cache codes them as they are) and append their codes."""
         m = ek.shape[-2]
         if self.qk is not None and self.code_lo + self.n_codes != start:
             raise KvquantError(f"aquakv layer {self.layer_idx}: codes would not be contiguous (internal error)")
-        cos, sin = self.owner.tables(self.layer_idx, start, m)
-        k = to_rows(undo_rope(ek.float(), cos, sin))
+        k = ek.float() if self.owner.post_rope else undo_rope(ek.float(), *self.owner.tables(self.layer_idx, start, m))
+        k = to_rows(k)
         v = to_rows(ev.float())
         prev_k, prev_v = rows_between(prev, start, start + m, self.layer_idx) if prev is not None else (None, None)
         if self.backend != "torch":  # the rule in one kernel call (HIGGS alone: no predictors)
@@ -378,9 +386,12 @@ class AquaKVCache(KVCache):
         rotary: torch.nn.Module,
         predictors: Predictors | None,
         layer_types: Sequence[str] | None = None,
+        post_rope: bool = False,
     ):
+        if post_rope and predictors is not None:
+            raise InvalidParameterError("aquakv: predictors read pre-RoPE keys; post-RoPE keys are HIGGS alone")
         super().__init__(layers)
-        self.rotary, self.predictors = rotary, predictors
+        self.rotary, self.predictors, self.post_rope = rotary, predictors, post_rope
         self.rope_types = rope_layer_types(rotary, layer_types) if layer_types else [None] * len(layers)
         self.adaptations: dict[str, Any] = {}
         after: AquaKVLayer | None = None
@@ -414,8 +425,9 @@ class AquaKVCache(KVCache):
         self._rope = {key: (fn(cos), fn(sin)) for key, (cos, sin) in self._rope.items()}
 
     def track_positions(self, layer_idx: int, seen: int, key_states: torch.Tensor, given: dict[str, Any]) -> None:
-        """Record the new tokens' positions (first layer only): ``position_ids``, ``cache_position`` or a count."""
-        if layer_idx != 0:
+        """Record the new tokens' positions (first layer only): ``position_ids``, ``cache_position`` or a count.
+        Keys coded after RoPE need no positions: none are kept."""
+        if layer_idx != 0 or self.post_rope:
             return
         batch, _, n, _ = key_states.shape
         device = key_states.device

@@ -54,7 +54,9 @@ class HiggsMethod(KVMethod):
     fp16 scale per ``group`` channels; the first ``sink`` and newest ``window`` tokens in fp16; layer 0
     at ``first_layer_bits`` if set, else ``bits``. ``backend``: ``torch`` (the reference: every coded
     token reconstructed for the model's attention), ``cpu`` (``kernels_cpu.attend_higgs`` attends over
-    the codes as stored; AQUA-KV: see ``AquaKVMethod``) or ``auto``."""
+    the codes as stored; AQUA-KV: see ``AquaKVMethod``) or ``auto``. Keys are coded with RoPE taken off
+    (the paper's choice: RoPE re-applied on every read, positions kept); ``higgs_post_rope`` codes them
+    as the model hands them."""
 
     bits: int = 2
     first_layer_bits: int | None = None
@@ -66,6 +68,8 @@ class HiggsMethod(KVMethod):
     family: ClassVar[str] = "higgs"
     predict: ClassVar[str] = "none"
     predictors: ClassVar[str | None] = None
+    #: keys coded after RoPE (``HiggsPostRopeMethod``) rather than with it taken off
+    post_rope: ClassVar[bool] = False
 
     @property
     def label(self) -> str:
@@ -161,9 +165,20 @@ class HiggsMethod(KVMethod):
             pv = pred.v.get(i) if pred is not None else None
             quant, window = quants[self.layer_bits(i)], geometry.window(i)
             layers.append(AquaKVLayer(i, quant, pk, pv, self.sink, self.window, window, backend))
-        cache = AquaKVCache(layers, find_rotary(model), pred, geometry.layer_types)
+        cache = AquaKVCache(layers, find_rotary(model), pred, geometry.layer_types, self.post_rope)
         cache.adaptations, cache.backend = self.adaptations(geometry), backend
         return cache
+
+
+@dataclass(frozen=True)
+class HiggsPostRopeMethod(HiggsMethod):
+    """HIGGS with keys coded as the model hands them, after RoPE (not in either paper). Nothing is
+    re-applied on a read and no positions are kept; the question is whether the rotated keys quantize
+    as well (RoPE turns each channel pair at a different rate, so a token's key is a differently
+    rotated vector at every position). No predictors: AQUA-KV's are fitted on pre-RoPE keys."""
+
+    family: ClassVar[str] = "higgs_post_rope"
+    post_rope: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -245,5 +260,6 @@ class AquaKVMethod(HiggsMethod):
 
 
 register_method("higgs", HiggsMethod)
+register_method("higgs_post_rope", HiggsPostRopeMethod)
 for _predict, _name in METHOD_FOR_PREDICT.items():
     register_method(_name, AquaKVMethod, predict=_predict)
