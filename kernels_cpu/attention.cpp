@@ -393,7 +393,8 @@ int64_t packed_bytes(int64_t n, int bits) {  // kvquant.quant.bitpack.packed_siz
 
 at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_scales, const Opt& v_codes,
                         const Opt& v_scales, const Opt& cos, const Opt& sin, const Opt& positions,
-                        const Opt& inv_freq, double rope_scale, bool post_rope, const Opt& k_sinks, const Opt& v_sinks,
+                        const Opt& inv_freq, double rope_scale, bool post_rope, int64_t rotated,
+                        const Opt& k_sinks, const Opt& v_sinks,
                         const at::Tensor& k_recent, const at::Tensor& v_recent, const at::Tensor& grid,
                         const at::Tensor& signs, const at::Tensor& outer, int64_t code_bits, int64_t group,
                         const Opt& mask, bool causal, double scaling) {
@@ -430,6 +431,8 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
               "higgs: give codes and scales for keys and values with cos/sin or positions/inv_freq (neither for keys "
               "coded after RoPE), or none of them");
   a.post_rope = post_rope;
+  TORCH_CHECK(rotated >= -1 && rotated <= 1, "higgs: rotated must be -1 (auto), 0 or 1, got ", rotated);
+  a.rotated = int(rotated);
   if (coded) {
     const int64_t nbytes = packed_bytes(groups * a.P / 2, a.bits);
     a.nc = k_codes->size(1);

@@ -10,7 +10,12 @@
 //   per-head key buffer the driver's dot_rows reads; nothing else is written. RoPE's cos/sin come
 //   from the position (a vector sincos per token, 4 bytes read) where the rotary module is that
 //   formula, else from the tables the torch path uses (8*D bytes per token). Keys coded after RoPE
-//   (higgs_post_rope) skip RoPE: signs and scale only;
+//   (higgs_post_rope) need no RoPE, so they can be scored in the rotated domain instead:
+//   q . k = s * (R^T (signs * q)) . y / sqrt(P), each row's query rotated once per tile, then P
+//   multiply-adds per row and token and no inverse rotation per token. That wins where rows * P is
+//   below the inverse rotation's work plus rows * D (few query rows per group: SmolLM2, Llama-2);
+//   with many rows per group (Llama-3's 32 query heads over 1,024 channels) keys are rebuilt as
+//   before, signs and scale only (HiggsArgs::rotated: -1 picks by that estimate, 0/1 force);
 // - values: the rotation is linear, so sum_t p_t v_t = signs * H (sum_t p_t s_t y_t) / sqrt(P):
 //   each row accumulates p*s*y in the rotated domain (P floats) and the inverse rotation runs once
 //   per query row after the chunks are merged, never per token.
@@ -112,6 +117,50 @@ inline void plain_key(const float* g, const float* sg, float scale, int D, int w
   std::fill(dst + D, dst + width, 0.0f);
 }
 
+// Work estimate of the two ways to score post-RoPE codes (multiply-adds per token): true when
+// scoring in the rotated domain (rows * P) is cheaper than the inverse rotation (P log2 p + m P) plus
+// the per-head dots (rows * D).
+inline bool rotated_is_cheaper(int rows, int D, const Rotation& r) {
+  int log2p = 0;
+  while ((1 << log2p) < r.p) ++log2p;
+  const int mix = r.m > 1 ? r.m * r.P : 0;
+  return int64_t(rows) * r.P <= int64_t(r.P) * log2p + mix + int64_t(rows) * D;
+}
+
+// Rotated-domain scores of k coded tokens: d[r * BT + j] = sc[j] * (qt_r . y_j) for the tile's rows,
+// qt [rows, P] the rotated queries, y [k, P] the tokens' grid points; four rows share each load of y.
+inline void rotated_scores(const float* qt, int rows, const float* y, const float* sc, int k, int PP, float* d) {
+  for (int j = 0; j < k; ++j) {
+    const float* yj = y + size_t(j) * PP;
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const float* q0 = qt + size_t(r) * PP;
+      vf a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
+      for (int c = 0; c < PP; c += W) {
+        const mk m = lanes(PP - c);
+        const vf yv = load(yj + c, m);
+        a0 = fma(load(q0 + c, m), yv, a0);
+        a1 = fma(load(q0 + PP + c, m), yv, a1);
+        a2 = fma(load(q0 + 2 * PP + c, m), yv, a2);
+        a3 = fma(load(q0 + 3 * PP + c, m), yv, a3);
+      }
+      d[r * BT + j] = sc[j] * hsum(a0);
+      d[(r + 1) * BT + j] = sc[j] * hsum(a1);
+      d[(r + 2) * BT + j] = sc[j] * hsum(a2);
+      d[(r + 3) * BT + j] = sc[j] * hsum(a3);
+    }
+    for (; r < rows; ++r) {
+      const float* qr = qt + size_t(r) * PP;
+      vf a = zero();
+      for (int c = 0; c < PP; c += W) {
+        const mk m = lanes(PP - c);
+        a = fma(load(qr + c, m), load(yj + c, m), a);
+      }
+      d[r * BT + j] = sc[j] * hsum(a);
+    }
+  }
+}
+
 // Keys [tb, te) for one tile; writes m, l, the plain accumulator (D) and the rotated one (P) per row.
 template <int NC, int BITS>
 void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows& R, const std::vector<HeadSpan>& spans,
@@ -130,6 +179,20 @@ void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows
   std::vector<float> racc(size_t(R.n) * PP, 0.0f);  // rows' rotated-domain value sums
   std::vector<float> keys(size_t(ns) * SB * NCW);   // post-RoPE keys of the tile's heads, SB tokens
   std::vector<float> y(size_t(SB) * PP), tmp(PP);
+  // Post-RoPE codes scored in the rotated domain: each row's query (signs applied, at its head's
+  // channels of the group, zeros elsewhere) rotated forward once for the tile.
+  const bool rotated = a.post_rope && a.nc > 0 && (a.rotated < 0 ? rotated_is_cheaper(R.n, D, rot) : a.rotated == 1);
+  std::vector<float> qt(rotated ? size_t(R.n) * PP : 0, 0.0f);
+  if (rotated) {
+    for (const HeadSpan& hs : spans) {
+      const int c0 = hs.hl * D;
+      for (int r = hs.r0; r < hs.r0 + hs.n; ++r) {
+        float* x = qt.data() + size_t(r) * PP;
+        for (int c = 0; c < D; ++c) x[c0 + c] = R.q[r][c] * a.signs[c0 + c];
+        rotate_forward(x, tmp.data(), rot);
+      }
+    }
+  }
   for (int r = 0; r < R.n; ++r) {
     m[r] = NEG_INF;
     l[r] = 0.0f;
@@ -150,7 +213,14 @@ void run_tile(const HiggsArgs& a, const Problem& P, const Tile& tile, const Rows
     for (int i = 0; i < n;) {
       const int64_t t = t0 + i;
       const int k = piece(t, std::min(SB, n - i));
-      if (t >= code0 && t < code1) {
+      if (t >= code0 && t < code1 && rotated) {
+        for (int j = 0; j < k; ++j) {
+          const int64_t ci = t - code0 + j;
+          lookup<BITS>(a.kc + b * a.kcb + ci * a.kct, gi * half, half, a.grid, y.data() + j * PP);
+          sc[j] = half_to_float(a.ks[b * a.ksb + ci * a.kst + gi]) * inv_sqrt;
+        }
+        rotated_scores(qt.data(), R.n, y.data(), sc, k, PP, d + i);
+      } else if (t >= code0 && t < code1) {
         for (int j = 0; j < k; ++j) {
           const int64_t ci = t - code0 + j;
           lookup<BITS>(a.kc + b * a.kcb + ci * a.kct, gi * half, half, a.grid, y.data());

@@ -799,6 +799,7 @@ struct HiggsArgs {
   const float* inv_freq = nullptr;
   float rope_scale = 1.0f;
   bool post_rope = false;  // keys coded after RoPE: nothing to re-apply, no positions or tables
+  int rotated = -1;        // post-RoPE keys scored in the rotated domain: -1 by work estimate, 0 never, 1 always
   int64_t nc = 0, ns = 0, nr = 0;  // coded, sink and recent tokens
   Half4 sink_k, sink_v, recent_k, recent_v;
   const float *grid = nullptr, *signs = nullptr, *outer = nullptr;

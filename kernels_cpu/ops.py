@@ -388,6 +388,7 @@ def attend_higgs(
     inv_freq: torch.Tensor | None = None,
     rope_scale: float = 1.0,
     post_rope: bool = False,
+    rotated_scores: bool | None = None,
     mask: torch.Tensor | None = None,
     scaling: float | None = None,
     causal: bool = False,
@@ -399,7 +400,10 @@ def attend_higgs(
     before RoPE, which is re-applied with ``cos``/``sin`` fp32 ``[B, n, D]`` or, with those None, computed
     per token as transformers' rotary modules do, ``cos/sin(positions · inv_freq) · rope_scale`` (int32
     ``positions`` ``[B, n]``, ``inv_freq`` ``[D/2]``); ``post_rope``: keys coded after RoPE
-    (``higgs_post_rope``), nothing re-applied, no RoPE inputs given. Sinks and window: fp16 ``[B, Hkv, *, D]`` after
+    (``higgs_post_rope``), nothing re-applied, no RoPE inputs given; such keys are scored in the
+    rotated domain (each row's query rotated once, no inverse rotation per token) where that is less
+    work, else rebuilt per token — ``rotated_scores`` True/False forces one (the same scores up to fp32
+    summation order). Sinks and window: fp16 ``[B, Hkv, *, D]`` after
     RoPE. The quantizer: ``grid`` ``[2^code_bits, 2]``, ``signs`` ``[P]``, the dense Hadamard factor
     ``outer`` ``[m, m]`` (P = m·2^k), ``group`` channels per scale (a multiple of D). Nothing coded yet:
     codes, scales and RoPE inputs None. ``higgs_tensors(layer)`` gives all of these.
@@ -419,6 +423,7 @@ def attend_higgs(
         inv_freq,
         float(rope_scale),
         bool(post_rope),
+        -1 if rotated_scores is None else int(bool(rotated_scores)),
         k_sinks,
         v_sinks,
         k_recent,

@@ -4,6 +4,7 @@
     python scripts/bench_kernels_cpu.py                       # 9q/3kv x 64 and 32q/32kv x 128, 4K..32K, 1 thread
     python scripts/bench_kernels_cpu.py --threads 2 --contexts 16384 --warm
     python scripts/bench_kernels_cpu.py --planes --contexts 4096,16384   # AlignedKV planes (below)
+    python scripts/bench_kernels_cpu.py --higgs --shapes "9q/3kv x 64,32q/32kv x 128,32q/8kv x 128"
 
 One query token per sequence (batch 1) over a cache of ``context`` tokens. Columns (milliseconds,
 medians over ``--repeats``; with ``--cold``, the default, a buffer larger than the last-level
@@ -29,6 +30,13 @@ With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on 
   the rule's metadata not counted), ``x`` (``attend_planes`` at those widths: time / fused fp16), ``st``
   (the whole step as ``backend=cpu`` runs it, ``kernels_cpu.attend_aligned``: the value rule on fp64
   scores, then the attention; time / fused fp16) and ``id`` (the byte-proportional ideal, bits / 16).
+
+With ``--higgs``, HIGGS stores (``kernels_cpu.attend_higgs``; default group 1,024 channels, 4 fp16
+sinks, a 128-token fp16 window, random codes) against fused fp16 on the same shape (``fp16``, ms):
+``pre`` keys coded before RoPE (``higgs``: RoPE computed per token from its position), ``post`` keys
+coded after RoPE (``higgs_post_rope``) as the kernel picks, ``rot``/``keys`` the same forced to score
+in the rotated domain / to rebuild each key; all as time / fused fp16. ``32q/8kv x 128`` (Llama-3's
+GQA: 32 query rows per group) is where the rotated domain costs more.
 
 K/V are synthetic with the statistics the rules react to: per-channel key scales (log-uniform over
 four binades, four outlier channels eight times larger), attention logits of standard deviation
@@ -58,7 +66,8 @@ if str(ROOT) not in sys.path:
 import kernels_cpu  # noqa: E402
 from kvquant.methods.alignedkv import V8_MAGNITUDES  # noqa: E402
 
-SHAPES = {"9q/3kv x 64": (9, 3, 64), "32q/32kv x 128": (32, 32, 128)}
+SHAPES = {"9q/3kv x 64": (9, 3, 64), "32q/32kv x 128": (32, 32, 128), "32q/8kv x 128": (32, 8, 128)}
+DEFAULT_SHAPES = "9q/3kv x 64,32q/32kv x 128"
 GROUP, RESIDUAL = 32, 128
 GEAR_GROUP, GEAR_OUTLIERS, GEAR_RANK = 64, 0.02, 4
 FLUSH_BYTES = 1 << 30
@@ -250,6 +259,48 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
     return row
 
 
+HIGGS_BITS, HIGGS_SINK = 2, 4
+
+
+def higgs_store(hkv: int, d: int, length: int) -> tuple[dict, dict]:
+    """``attend_higgs`` arguments for a ``length``-token HIGGS store (random codes and scales; fp16 sinks and
+    window), keys coded before RoPE (positions and ``inv_freq``) and after it (``post_rope``)."""
+    from kvquant.quant import bitpack
+    from kvquant.quant.higgs import Higgs
+
+    quant = Higgs(hkv * d, HIGGS_BITS)
+    n = max(0, length - HIGGS_SINK - RESIDUAL)
+    width = bitpack.packed_size(quant.n_codes, quant.code_bits)
+    store: dict = {"grid": quant.grid, "signs": quant.signs, "outer": quant.outer}
+    store.update(code_bits=quant.code_bits, group=quant.group)
+    for side in ("k", "v"):
+        store[f"{side}_codes"] = torch.randint(0, 256, (1, n, width), dtype=torch.uint8) if n else None
+        store[f"{side}_scales"] = (torch.rand(1, n, quant.n_groups) + 0.5).half() if n else None
+        store[f"{side}_sinks"] = torch.randn(1, hkv, HIGGS_SINK, d).half()
+        store[f"{side}_recent"] = torch.randn(1, hkv, min(length, RESIDUAL), d).half()
+    rope = {"cos": None, "sin": None}
+    if n:
+        rope["positions"] = torch.arange(HIGGS_SINK, HIGGS_SINK + n, dtype=torch.int32).view(1, n)
+        rope["inv_freq"] = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    return {**store, **rope}, {**store, "cos": None, "sin": None, "post_rope": True}
+
+
+def higgs_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torch.Tensor | None) -> str:
+    """The ``--higgs`` table's columns after shape and context."""
+    q = torch.randn(1, hq, 1, d)
+    k, v = torch.randn(1, hkv, length, d).half(), torch.randn(1, hkv, length, d).half()
+    pre, post = higgs_store(hkv, d, length)
+    fns = {
+        "fp16": lambda: kernels_cpu.attend_fp16(q, k, v),
+        "pre": lambda: kernels_cpu.attend_higgs(q, **pre),
+        "post": lambda: kernels_cpu.attend_higgs(q, **post),
+        "rot": lambda: kernels_cpu.attend_higgs(q, **post, rotated_scores=True),
+        "keys": lambda: kernels_cpu.attend_higgs(q, **post, rotated_scores=False),
+    }
+    t = interleaved_ms(fns, repeats, flush)
+    return f" {t['fp16']:>7.2f}" + "".join(f" {t[name] / t['fp16']:>5.2f}" for name in ("pre", "post", "rot", "keys"))
+
+
 def planes_header() -> str:
     head = f"{'shape':<15} {'ctx':>6} {'fp16':>7} {'u8':>5} {'u12':>5} {'u16':>5}"
     return head + "".join(f" {'bits':>5} {f'vb{b}':>5} {f'st{b}':>5} {'id':>5}" for b in V_BLOCKS)
@@ -259,11 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--contexts", default="4096,8192,16384,32768")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma-separated, of: {', '.join(SHAPES)}")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warm", dest="cold", action="store_false", help="do not flush the caches between calls")
     parser.add_argument("--gear", action="store_true", help="add GEAR-2/4 columns (group 64, 2%% outliers, rank 4)")
     parser.add_argument("--planes", action="store_true", help="AlignedKV's planes vs fused fp16 instead")
+    parser.add_argument("--higgs", action="store_true", help="HIGGS, keys coded before / after RoPE, vs fused fp16")
     args = parser.parse_args(argv)
 
     ok, why = kernels_cpu.status()
@@ -277,6 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
     caches = "cold" if args.cold else "warm"
     print(f"# {cpu}; {args.threads} thread(s); {caches} caches; memcpy {bandwidth:.1f} GB/s, read {read:.1f} GB/s")
+    if args.higgs:
+        print(f"# medians of {args.repeats} interleaved rounds; fp16: ms; the rest: time / fp16 ({HIGGS_BITS}-bit)")
+        print(f"{'shape':<15} {'ctx':>6} {'fp16':>7} {'pre':>5} {'post':>5} {'rot':>5} {'keys':>5}")
+        for shape in args.shapes.split(","):
+            hq, hkv, d = SHAPES[shape.strip()]
+            for length in (int(c) for c in args.contexts.split(",")):
+                print(f"{shape:<15} {length:>6}{higgs_row(hq, hkv, d, length, args.repeats, flush)}", flush=True)
+        return 0
     if args.planes:
         print(f"# medians of {args.repeats} interleaved rounds; fp16: ms; the rest: time / fp16; id = bits / 16")
         print(planes_header())

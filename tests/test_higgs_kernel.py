@@ -104,8 +104,9 @@ def test_kernel_matches_the_torch_path(built, threads, case):
 
 @pytest.mark.parametrize("case", [CASES[i] for i in (0, 3, 6, 7, 10)], ids=lambda c: "x".join(map(str, c)))
 def test_keys_coded_after_rope_match_the_torch_path(built, threads, case):
-    """``higgs_post_rope``'s store: no RoPE inputs, the kernel applies signs and scale only, and equals
-    attention over what the torch path hands the model; RoPE inputs beside ``post_rope`` are refused."""
+    """``higgs_post_rope``'s store: no RoPE inputs; scored in the rotated domain or from keys rebuilt with
+    signs and scale only (the kernel's pick, and each forced), it equals attention over what the torch
+    path hands the model; RoPE inputs beside ``post_rope`` are refused."""
     b, hq, hkv, d, bits, group, sink, window, prefill, steps = case
     torch.manual_seed(prefill + bits + 1)
     cache = higgs_cache(hkv, d, bits, group, sink, window, post_rope=True)
@@ -117,13 +118,15 @@ def test_keys_coded_after_rope_match_the_torch_path(built, threads, case):
     assert layer.n_codes > 0 and cache.positions is None
     args = kernels_cpu.higgs_tensors(layer)
     assert args["post_rope"] and args["cos"] is None and "positions" not in args
-    for q_len in (1, 4):
-        q = torch.randn(b, hq, q_len, d)
-        mask = padded_causal(b, q_len, length, [min(5 * i, length - q_len) for i in range(b)])
-        assert_close(kernels_cpu.attend_higgs(q, **args, mask=mask), reference(q, k, v, mask))
-    q = torch.randn(b, hq, 3, d)
-    out = kernels_cpu.attend_higgs(q, **args, causal=True, scaling=0.3)
-    assert_close(out, reference(q, k, v, padded_causal(b, 3, length, [0] * b), scaling=0.3))
+    for rotated in (None, True, False):
+        for q_len in (1, 4):
+            q = torch.randn(b, hq, q_len, d)
+            mask = padded_causal(b, q_len, length, [min(5 * i, length - q_len) for i in range(b)])
+            out = kernels_cpu.attend_higgs(q, **args, mask=mask, rotated_scores=rotated)
+            assert_close(out, reference(q, k, v, mask))
+        q = torch.randn(b, hq, 3, d)
+        out = kernels_cpu.attend_higgs(q, **args, causal=True, scaling=0.3, rotated_scores=rotated)
+        assert_close(out, reference(q, k, v, padded_causal(b, 3, length, [0] * b), scaling=0.3))
     positions = torch.zeros(b, layer.n_codes, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="neither for keys coded after RoPE"):
         kernels_cpu.attend_higgs(q, **args, positions=positions, inv_freq=torch.ones(d // 2))
