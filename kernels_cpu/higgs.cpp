@@ -12,10 +12,9 @@
 //   formula, else from the tables the torch path uses (8*D bytes per token). Keys coded after RoPE
 //   (higgs_post_rope) need no RoPE, so they can be scored in the rotated domain instead:
 //   q . k = s * (R^T (signs * q)) . y / sqrt(P), each row's query rotated once per tile, then P
-//   multiply-adds per row and token and no inverse rotation per token. That wins where rows * P is
-//   below the inverse rotation's work plus rows * D (few query rows per group: SmolLM2, Llama-2);
-//   with many rows per group (Llama-3's 32 query heads over 1,024 channels) keys are rebuilt as
-//   before, signs and scale only (HiggsArgs::rotated: -1 picks by that estimate, 0/1 force);
+//   multiply-adds per row and token and no inverse rotation per token. That wins unless a group has
+//   many query rows (rotated_is_cheaper); otherwise keys are rebuilt as before, signs and scale only
+//   (HiggsArgs::rotated: -1 picks by that estimate, 0/1 force);
 // - values: the rotation is linear, so sum_t p_t v_t = signs * H (sum_t p_t s_t y_t) / sqrt(P):
 //   each row accumulates p*s*y in the rotated domain (P floats) and the inverse rotation runs once
 //   per query row after the chunks are merged, never per token.
@@ -117,14 +116,16 @@ inline void plain_key(const float* g, const float* sg, float scale, int D, int w
   std::fill(dst + D, dst + width, 0.0f);
 }
 
-// Work estimate of the two ways to score post-RoPE codes (multiply-adds per token): true when
-// scoring in the rotated domain (rows * P) is cheaper than the inverse rotation (P log2 p + m P) plus
-// the per-head dots (rows * D).
+// Which way to score post-RoPE codes: true for the rotated domain (rows * P multiply-adds per token,
+// streaming) over rebuilding keys (the inverse rotation, P log2 p butterflies + m P, then rows * D).
+// The rebuild's operations cost about 3x a streaming multiply-add: on a Zen 1 core
+// (scripts/bench_kernels_cpu.py --higgs) the rotated domain was 1.4-1.5x faster at 9q/3kv x 64 and
+// 32 x 128 and 1.2x at 32q/8kv x 128, where rows * P is 2.3x the rebuild's count.
 inline bool rotated_is_cheaper(int rows, int D, const Rotation& r) {
   int log2p = 0;
   while ((1 << log2p) < r.p) ++log2p;
-  const int mix = r.m > 1 ? r.m * r.P : 0;
-  return int64_t(rows) * r.P <= int64_t(r.P) * log2p + mix + int64_t(rows) * D;
+  const int64_t mix = r.m > 1 ? int64_t(r.m) * r.P : 0;
+  return int64_t(rows) * r.P <= 3 * (int64_t(r.P) * log2p + mix + int64_t(rows) * D);
 }
 
 // Rotated-domain scores of k coded tokens: d[r * BT + j] = sc[j] * (qt_r . y_j) for the tile's rows,
