@@ -80,6 +80,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None
             **method.describe(),
             **({"backend_used": probe.backend} if probe.backend else {}),
             **({"adapted": probe.adaptations} if probe.adaptations else {}),
+            **({"files": probe.parameter_files} if probe.parameter_files else {}),
         },
         "task": {"name": task.name, "n": result.n, **task.params(), **result.info},
         "examples": examples,

@@ -304,6 +304,7 @@ class KVCache(Cache):
 
     backend: str | None = None  # the kernels its layers read with, where the method has a choice
     adaptations: dict[str, Any] = {}  # parameters changed to fit the model (``KVMethod.adaptations``)
+    parameter_files: dict[str, Any] = {}  # files its parameters were read from: name -> {path, sha256, ...}
 
     def __init__(self, layers: list[KVLayer]):
         super().__init__(layers=layers)

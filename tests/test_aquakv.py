@@ -1,5 +1,6 @@
 """AQUA-KV and HIGGS caches on stories260k: calibration, predictor files, storage, RoPE, consistency."""
 
+import hashlib
 import json
 import pickle
 import warnings
@@ -329,6 +330,17 @@ def test_predictor_files_are_read_once_per_version(calibrated, tmp_path):
     first = load_cached(copy)
     pred.save(copy)  # a new version of the file
     assert load_cached(copy) is not first
+
+
+def test_cache_names_the_predictor_file_by_digest(stories, calibrated, env_dir):
+    """A result must tell two calibrations apart: they share a file name, not a sha256."""
+    pred, path = calibrated
+    assert pred.source is None  # fitted in memory, never read
+    files = get_method("aquakv").new_cache(stories[0]).parameter_files
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert files["predictors"]["sha256"] == digest and files["predictors"]["path"] == str(path.resolve())
+    assert files["predictors"]["calibration"]["tokens"] == 1024
+    assert get_method("higgs").new_cache(stories[0]).parameter_files == {}
 
 
 @pytest.fixture(scope="module")

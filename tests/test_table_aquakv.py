@@ -8,6 +8,7 @@ from conftest import run_experiment
 from experiments.cells import fmt_ci
 from experiments.table_aquakv import PUBLISHED_NOTE, render
 from kvquant import get_method, load_model
+from kvquant.fsutil import sha256_file
 from kvquant.methods.aquakv import model_identity
 
 GRID = [
@@ -26,7 +27,7 @@ def test_aquakv_table_equals_its_cells_with_the_ablation_skipped(tmp_path, monke
     model, tok = load_model("stories260k", device="cpu")
     method = get_method("aquakv", bits=2)
     path = method.default_path(model_identity(model.config), method.quantizers(model.config))
-    method.calibrate(model, tok, n_seqs=4, seq_len=256, seed=0, progress=False, log=None).save(
+    predictor_file = method.calibrate(model, tok, n_seqs=4, seq_len=256, seed=0, progress=False, log=None).save(
         tmp_path / "pred" / path.relative_to(path.parents[1])
     )
     monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(tmp_path / "pred"))
@@ -40,6 +41,8 @@ def test_aquakv_table_equals_its_cells_with_the_ablation_skipped(tmp_path, monke
         assert float(row.value) == data["metrics"][row.metric] and row.n == data["task"]["n"]
         assert row.bits_stored == data["bits"]["stored"] and row.bits_analytic == data["bits"]["analytic_stored"]
         assert data["n"][f"metrics/{row.metric}"] == row.n == (2 if row.task == "wikitext" else 1)
+        if row.method == "aquakv2":  # the file the cell read, by digest
+            assert data["method"]["files"]["predictors"]["sha256"] == sha256_file(predictor_file)
         if row.task == "wikitext":  # two windows: the perplexity's interval, and its paired difference to fp16
             assert [row.value_lo, row.value_hi] == data["ci95"][
                 "metrics/ppl"

@@ -167,6 +167,8 @@ class HiggsMethod(KVMethod):
             layers.append(AquaKVLayer(i, quant, pk, pv, self.sink, self.window, window, backend))
         cache = AquaKVCache(layers, find_rotary(model), pred, geometry.layer_types, self.post_rope)
         cache.adaptations, cache.backend = self.adaptations(geometry), backend
+        if pred is not None and pred.source is not None:
+            cache.parameter_files = {"predictors": {**pred.source, "calibration": pred.header.get("data")}}
         return cache
 
 

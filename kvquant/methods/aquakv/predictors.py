@@ -122,11 +122,14 @@ def predictor_dir() -> Path:
 
 @dataclass
 class Predictors:
-    """Fitted predictors: ``k[l]``/``v[l]`` = ``(W [in, out], b [out])`` fp32, plus the file header."""
+    """Fitted predictors: ``k[l]``/``v[l]`` = ``(W [in, out], b [out])`` fp32, plus the file header.
+    ``source``: ``{"path", "sha256"}`` of the file they were read from (None if never saved), so a
+    result can name the exact file: recalibrating keeps the file name but not its digest."""
 
     header: dict[str, Any]
     k: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     v: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    source: dict[str, str] | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -176,7 +179,7 @@ class Predictors:
         """
         from safetensors import SafetensorError, safe_open
 
-        from kvquant.fsutil import check_manifest
+        from kvquant.fsutil import check_manifest, sha256_file
 
         manifest = cls.manifest_path(path)
         problem = check_manifest(manifest, full=True) if manifest.is_file() else None
@@ -200,6 +203,7 @@ class Predictors:
                         w, b = table.get(int(layer), (None, None))
                         t = fh.get_tensor(name).float()
                         table[int(layer)] = (t, b) if part == "weight" else (w, t)
+                pred.source = {"path": str(Path(path).resolve()), "sha256": sha256_file(path)}
                 return pred
             except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 problem = " ".join(f"{type(exc).__name__}: {exc}".split())
