@@ -119,7 +119,7 @@ inline void plain_key(const float* g, const float* sg, float scale, int D, int w
 // Which way to score post-RoPE codes: true for the rotated domain (rows * P multiply-adds per token,
 // streaming) over rebuilding keys (the inverse rotation, P log2 p butterflies + m P, then rows * D).
 // The rebuild's operations cost about 3x a streaming multiply-add: on a Zen 1 core
-// (scripts/bench_kernels_cpu.py --higgs) the rotated domain was 1.4-1.5x faster at 9q/3kv x 64 and
+// (scripts/bench_kernels_cpu.py --higgs) the rotated domain was 1.45-1.57x faster at 9q/3kv x 64 and
 // 32 x 128 and 1.2x at 32q/8kv x 128, where rows * P is 2.3x the rebuild's count.
 inline bool rotated_is_cheaper(int rows, int D, const Rotation& r) {
   int log2p = 0;
