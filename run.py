@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvquant.errors import KvquantError
 from kvquant.fsutil import atomic_write_text
-from kvquant.results import config_hash, env_info, find_results, flatten, write_results
+from kvquant.results import code_commit, config_hash, env_info, find_results, flatten, write_results
 
 TABLE_BLOCKS = ("metrics", "paired", "fidelity", "bits", "memory", "timing")
 CONF = Path(__file__).resolve().parent / "conf"
@@ -213,6 +213,7 @@ class SweepReport(Callback):
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
+    code_commit()  # the commit this run's code was loaded at, before it starts
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     threads = job_threads(hydra_cfg.launcher)

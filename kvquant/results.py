@@ -10,6 +10,7 @@ and ``/hi``; absent for runs written before intervals existed or with one exampl
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -93,6 +94,13 @@ def git_commit(path: str | os.PathLike | None = None) -> str | None:
         return None
 
 
+@functools.cache
+def code_commit() -> str | None:
+    """``git_commit()`` read once per process, at the first call (``run.py`` makes it before a run starts):
+    a run that outlives a commit records the code it ran, not the HEAD it finished at."""
+    return git_commit()
+
+
 def env_info(device: str | None = None) -> dict[str, Any]:
     return {
         "python": platform.python_version(),
@@ -100,7 +108,7 @@ def env_info(device: str | None = None) -> dict[str, Any]:
         "transformers": _version("transformers"),
         "lm_eval": _version("lm_eval"),
         "hydra": _version("hydra-core"),
-        "git_commit": git_commit(),
+        "git_commit": code_commit(),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "device": device,

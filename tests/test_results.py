@@ -94,6 +94,16 @@ def test_env_records_versions():
     assert env["torch"] and env["transformers"] and env["python"] and env["device"] == "cpu"
 
 
+def test_env_records_the_commit_the_process_started_at(monkeypatch):
+    """A run spanning a commit must name the code it ran, not the HEAD it finished at."""
+    results.code_commit.cache_clear()
+    monkeypatch.setattr(results, "git_commit", lambda: "a" * 40)
+    assert results.env_info()["git_commit"] == "a" * 40
+    monkeypatch.setattr(results, "git_commit", lambda: "b" * 40)  # HEAD moved during the run
+    assert results.env_info()["git_commit"] == "a" * 40
+    results.code_commit.cache_clear()
+
+
 @pytest.mark.parametrize("obj,flat", [({"a": {"b": 1, "c": {"d": 2}}}, {"a/b": 1, "a/c/d": 2}), ({}, {})])
 def test_flatten(obj, flat):
     assert results.flatten(obj) == flat
