@@ -24,7 +24,7 @@ def test_offline_error_is_one_line_and_bundled_is_refused(monkeypatch):
     monkeypatch.setattr(coqa, "HUB_ID", "kvquant-test/no-such-coqa")
     with pytest.raises(KvquantError, match="needs the hub dataset kvquant-test/no-such-coqa"):
         coqa.load_coqa()
-    with pytest.raises(InvalidParameterError, match="source 'bundled' is not offered"):
+    with pytest.raises(InvalidParameterError, match="task 'coqa': parameter 'source' expects one of 'hub'"):
         get_task("coqa", source="bundled")
 
 

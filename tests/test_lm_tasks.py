@@ -3,6 +3,7 @@
 import time
 
 import pytest
+from conftest import run_py
 
 from kvquant import get_method, get_task
 from kvquant.errors import InvalidParameterError, KvquantError
@@ -77,5 +78,14 @@ def test_hub_source_swaps_in_the_hub_dataset():
     assert mc["dataset_path"] == "truthfulqa/truthful_qa" and "custom_dataset" not in mc
     bundled = get_task("gsm8k").lm_config()
     assert bundled["dataset_path"] == "json" and bundled["dataset_kwargs"]["data_files"]["test"].endswith("test.jsonl")
-    with pytest.raises(InvalidParameterError, match="source 'web'"):
+    with pytest.raises(InvalidParameterError, match="task 'gsm8k': parameter 'source' expects one of 'bundled', 'hub'"):
         get_task("gsm8k", source="web")
+
+
+def test_a_bad_parameter_through_run_py_names_the_task(tmp_path):
+    """The lm-eval tasks share one class: the line still says which task refused the value."""
+    args = ("model=stories260k", "logger=none", f"results_dir={tmp_path}", "task=gsm8k", "task.batch_size=0")
+    proc = run_py(tmp_path, *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == ["error: task gsm8k: batch_size=0 must be positive"]
+    assert not list(tmp_path.rglob("results.json"))

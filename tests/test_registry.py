@@ -1,6 +1,6 @@
 import pytest
 
-from kvquant import get_method, method_names
+from kvquant import get_method, get_task, method_names, task_names
 from kvquant.errors import InvalidParameterError, UnknownNameError
 from kvquant.registry import Registry
 
@@ -77,3 +77,67 @@ def test_method_registry_is_usable_without_hydra():
     assert get_method("fp16").name == "fp16"
     with pytest.raises(UnknownNameError, match="valid methods: .*fp16"):
         get_method("nope")
+
+
+def bad_values(task_name: str) -> list[tuple[str, object]]:
+    """For each bounded parameter of a task, a value just below its bound (read from the field's type)."""
+    from typing import get_type_hints
+
+    from kvquant.eval.tasks import TASKS, AtLeast
+
+    cls = TASKS._entries[task_name][0]
+    hints = get_type_hints(cls, include_extras=True)
+    return [
+        (field, rule.minimum - 1)
+        for field, hint in hints.items()
+        for rule in getattr(hint, "__metadata__", ())
+        if isinstance(rule, AtLeast)
+    ]
+
+
+@pytest.mark.parametrize("task_name", task_names())
+def test_every_task_refuses_a_value_below_its_bound_in_a_line_naming_the_task(task_name):
+    cases = bad_values(task_name)
+    assert {"chunk_size", "batch_size"} <= {field for field, _ in cases}  # what the engine reads is bounded
+    for field, value in cases:
+        with pytest.raises(InvalidParameterError) as err:
+            get_task(task_name, **{field: value})
+        assert str(err.value).startswith(f"task {task_name}: {field}={value} must ")
+        assert "\n" not in str(err.value)
+
+
+def test_a_task_built_without_the_registry_is_validated_too():
+    from kvquant.eval.passkey import PasskeyTask
+
+    with pytest.raises(InvalidParameterError, match="^task passkey: filler='web' must be one of wikitext, tinystories"):
+        PasskeyTask(filler="web")
+    with pytest.raises(InvalidParameterError, match="^task passkey: trials=0 must be positive$"):
+        PasskeyTask(trials=0)
+    assert PasskeyTask(depths=[0, 1]).params()["depths"] == [0.0, 1.0]  # normalized, as results.json records it
+
+
+def test_task_parameters_are_frozen_and_typed():
+    import dataclasses
+
+    task = get_task("wikitext", limit=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        task.limit = 3
+    with pytest.raises(InvalidParameterError, match="task 'wikitext': parameter 'limit' expects int or None, got 2.5"):
+        get_task("wikitext", limit=2.5)
+
+
+@pytest.mark.parametrize("task_name", task_names())
+def test_every_task_yaml_sets_exactly_its_dataclass_fields(task_name):
+    """``conf/task/<name>.yaml`` is the task's parameters: one key per field, and the task builds from it."""
+    import dataclasses
+
+    from conftest import ROOT
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "task" / f"{task_name}.yaml"), resolve=True)
+    assert node.pop("name") == task_name
+    task = get_task(task_name, **node)
+    assert list(node) and set(node) == {f.name for f in dataclasses.fields(task)}
+    assert {k: v for k, v in task.params().items() if node[k] is not None} == {
+        k: v for k, v in node.items() if v is not None
+    }  # what the YAML sets is what results.json records (a null may resolve: longbench's tasks)

@@ -32,9 +32,9 @@ def test_over_long_settings_get_one_line_errors(stories):
         get_task("tinystories", max_tokens=1024).run(model, tok, get_method("fp16"))
     with pytest.raises(InvalidParameterError, match="prompt_tokens"):
         get_task("tinystories", prompt_tokens=500, max_new_tokens=64).run(model, tok, get_method("fp16"))
-    with pytest.raises(InvalidParameterError, match="chunk_size=0 must be positive"):
+    with pytest.raises(InvalidParameterError, match="^task tinystories: chunk_size=0 must be positive$"):
         get_task("tinystories", chunk_size=0)
-    with pytest.raises(InvalidParameterError, match="source=bundled"):
+    with pytest.raises(InvalidParameterError, match="parameter 'source' expects one of 'bundled', got 'hub'"):
         get_task("tinystories", source="hub")
     with pytest.raises(UnknownNameError, match="valid tasks: .*tinystories"):
         get_task("mmlu")

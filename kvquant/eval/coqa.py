@@ -11,14 +11,15 @@ official CoQA script (``kvquant.eval.scorers.coqa_scores``) over the answer and 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from kvquant.errors import KvquantError
 from kvquant.eval import intervals
 from kvquant.eval.engine import Engine, Generation
 from kvquant.eval.scorers import coqa_scores
-from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
-from kvquant.eval.tasks import register_task
+from kvquant.eval.suite import Evaluation, SuiteTask, mean
+from kvquant.eval.tasks import Positive, register_task
 
 HUB_ID = "EleutherAI/coqa"
 
@@ -53,20 +54,15 @@ def coqa_prompt(doc: dict) -> tuple[str, list[str]]:
     return text, golds
 
 
+@dataclass(frozen=True)
 class CoQATask(SuiteTask):
-    def __init__(
-        self,
-        limit: int | None = 10,
-        chunk_size: int = 32,
-        max_gen_toks: int = 48,
-        source: str = "hub",
-        batch_size: int = 8,
-    ):
-        check_source("coqa", source, ("hub",))
-        check_positive("coqa", limit=limit, chunk_size=chunk_size, max_gen_toks=max_gen_toks, batch_size=batch_size)
-        self.batch_size = int(batch_size)
-        self.limit = None if limit is None else int(limit)
-        self.chunk_size, self.max_gen_toks, self.source = int(chunk_size), int(max_gen_toks), source
+    """The last question of each CoQA story, after the earlier turns, answered through the cache."""
+
+    limit: Positive[int | None] = 10
+    chunk_size: Positive[int] = 32
+    max_gen_toks: Positive[int] = 48
+    source: Literal["hub"] = "hub"
+    batch_size: Positive[int] = 8
 
     def docs(self) -> list[dict]:
         return load_coqa()

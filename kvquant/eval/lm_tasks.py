@@ -9,14 +9,15 @@ through the method's cache; answers per example feed answer agreement with fp16.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvquant.data import DATASETS, HUB, bundled, truthfulqa_mc
 from kvquant.eval import scorers
 from kvquant.eval.engine import Engine
-from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source
-from kvquant.eval.tasks import register_task
+from kvquant.eval.suite import Evaluation, SuiteTask
+from kvquant.eval.tasks import NonNegative, Positive, register_task
 
 LM_TASKS = Path(__file__).resolve().parents[1] / "assets" / "lm_tasks"
 TAIL = 400  # characters of each prompt kept in the per-example rows
@@ -62,28 +63,17 @@ def truthfulqa_gen_results(doc: dict, results: list[str]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- the task
+@dataclass(frozen=True)
 class LmEvalTask(SuiteTask):
-    """One of our lm-eval YAML tasks, run with ``KVMethodLM`` on the first ``limit`` documents."""
+    """One of our lm-eval YAML tasks (``kvquant/assets/lm_tasks/<name>.yaml``), run with ``KVMethodLM``
+    on the first ``limit`` documents; a subclass per YAML names it and sets its default ``limit``."""
 
-    default_limit = 20
-
-    def __init__(
-        self,
-        limit: int | None = None,
-        chunk_size: int = 32,
-        source: str = "bundled",
-        num_fewshot: int | None = None,
-        max_gen_toks: int | None = None,
-        batch_size: int = 8,
-    ):
-        check_source(self.name or type(self).__name__, source)
-        check_positive(self.name, limit=limit, chunk_size=chunk_size, max_gen_toks=max_gen_toks, batch_size=batch_size)
-        self.batch_size = int(batch_size)
-        if num_fewshot is not None and num_fewshot < 0:
-            raise ValueError(f"num_fewshot must be >= 0, got {num_fewshot}")
-        self.limit = None if limit is None else int(limit)
-        self.chunk_size, self.source = int(chunk_size), source
-        self.num_fewshot, self.max_gen_toks = num_fewshot, max_gen_toks
+    limit: Positive[int | None] = None
+    chunk_size: Positive[int] = 32
+    source: Literal["bundled", "hub"] = "bundled"
+    num_fewshot: NonNegative[int | None] = None  # None: the YAML's
+    max_gen_toks: Positive[int | None] = None  # None: the YAML's
+    batch_size: Positive[int] = 8
 
     def lm_config(self) -> dict[str, Any]:
         """Our YAML with the data source filled in (bundled files checked first, with a one-line error)."""
@@ -157,18 +147,35 @@ class LmEvalTask(SuiteTask):
         return Evaluation(metrics, examples, {"num_fewshot": cfg.get("num_fewshot", 0)}, tuple(metric_names))
 
 
+@dataclass(frozen=True)
 class Gsm8kTask(LmEvalTask):
+    """GSM8K: answer agreement compares the number extracted from each answer."""
+
+    limit: Positive[int | None] = 5
+
     def answer(self, sample: dict) -> str:
         return scorers.gsm8k_extract(str(sample["resps"][0][0]), "flexible")
 
 
+@dataclass(frozen=True)
 class TruthfulQAMC2Task(LmEvalTask):
+    """TruthfulQA MC2: answer agreement compares the choice each method ranks first."""
+
+    limit: Positive[int | None] = 10
+
     def answer(self, sample: dict) -> str:
         """The choice with the highest log-likelihood."""
         lls = [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in sample["resps"]]
         return str(max(range(len(lls)), key=lls.__getitem__))
 
 
-register_task("gsm8k", Gsm8kTask, limit=5)
-register_task("truthfulqa_mc2", TruthfulQAMC2Task, limit=10)
-register_task("truthfulqa_gen", LmEvalTask, limit=10)
+@dataclass(frozen=True)
+class TruthfulQAGenTask(LmEvalTask):
+    """TruthfulQA generation: answer agreement compares the generated text."""
+
+    limit: Positive[int | None] = 10
+
+
+register_task("gsm8k", Gsm8kTask)
+register_task("truthfulqa_mc2", TruthfulQAMC2Task)
+register_task("truthfulqa_gen", TruthfulQAGenTask)

@@ -13,15 +13,15 @@ Plain prompts, no chat template (LongBench's ``build_chat`` is model-specific). 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from kvquant.data import longbench, longbench_config, longbench_tasks
-from kvquant.errors import InvalidParameterError
 from kvquant.eval import intervals
 from kvquant.eval.engine import Engine, Generation
 from kvquant.eval.scorers import LONGBENCH_METRICS, longbench_score
-from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
-from kvquant.eval.tasks import register_task
+from kvquant.eval.suite import Evaluation, SuiteTask, mean
+from kvquant.eval.tasks import Positive, register_task
 
 TAIL = 400
 KEYS = ("task", "score")  # what the scores are computed from
@@ -35,37 +35,26 @@ def middle_truncate(ids: list[int], max_length: int) -> list[int]:
     return ids[:half] + ids[len(ids) - half :]
 
 
+@dataclass(frozen=True)
 class LongBenchTask(SuiteTask):
-    def __init__(
-        self,
-        limit: int | None = 1,
-        tasks: list[str] | None = None,
-        max_length: int = 1024,
-        chunk_size: int = 32,
-        source: str = "bundled",
-        max_gen_tokens: int | None = None,
-        batch_size: int = 8,
-    ):
-        check_source("longbench", source, ("bundled",))
-        check_positive(
-            "longbench",
-            limit=limit,
-            max_length=max_length,
-            chunk_size=chunk_size,
-            max_gen_tokens=max_gen_tokens,
-            batch_size=batch_size,
-        )
-        self.batch_size = int(batch_size)
+    """LongBench's prompts through the method's cache, scored by each task's own metric."""
+
+    limit: Positive[int | None] = 1
+    tasks: list[str] | None = None  # None: every bundled task
+    max_length: Positive[int] = 1024
+    chunk_size: Positive[int] = 32
+    source: Literal["bundled"] = "bundled"
+    max_gen_tokens: Positive[int | None] = None
+    batch_size: Positive[int] = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         available = longbench_tasks()
-        chosen = list(tasks) if tasks is not None else available
+        chosen = list(self.tasks) if self.tasks is not None else available
         unknown = [t for t in chosen if t not in available or t not in LONGBENCH_METRICS]
         if unknown:
-            raise InvalidParameterError(
-                f"task longbench: no bundled data for {', '.join(unknown)}; bundled tasks: {', '.join(available)}"
-            )
-        self.limit = None if limit is None else int(limit)
-        self.tasks, self.max_length, self.chunk_size, self.source = chosen, int(max_length), int(chunk_size), source
-        self.max_gen_tokens = None if max_gen_tokens is None else int(max_gen_tokens)
+            raise self.invalid(f"no bundled data for {', '.join(unknown)}; bundled tasks: {', '.join(available)}")
+        object.__setattr__(self, "tasks", chosen)
 
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
         prompts, maxgen = longbench_config()

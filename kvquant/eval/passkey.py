@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from kvquant.data import tinystories_pieces, wikitext2_test
-from kvquant.errors import InvalidParameterError
 from kvquant.eval import intervals
 from kvquant.eval.engine import Engine, Generation, bos_prefix
 from kvquant.eval.scorers import first_number, passkey_match
-from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source, mean
-from kvquant.eval.tasks import register_task
+from kvquant.eval.suite import Evaluation, SuiteTask, mean
+from kvquant.eval.tasks import Positive, register_task
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -32,38 +32,29 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 KEYS = ("correct", "length", "depth")  # what the accuracies are computed from
 
 
+@dataclass(frozen=True)
 class PasskeyTask(SuiteTask):
-    def __init__(
-        self,
-        lengths: list[int] | None = None,
-        depths: list[float] | None = None,
-        trials: int = 1,
-        limit: int | None = None,
-        chunk_size: int = 256,
-        max_new_tokens: int = 8,
-        filler: str = "wikitext",
-        seed: int = 0,
-        source: str = "bundled",
-        batch_size: int = 8,
-    ):
-        check_source("passkey", source, ("bundled",))
-        check_positive(
-            "passkey",
-            trials=trials,
-            limit=limit,
-            chunk_size=chunk_size,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-        )
-        self.batch_size = int(batch_size)
-        if filler not in ("wikitext", "tinystories"):
-            raise InvalidParameterError(f"task passkey: filler '{filler}' must be wikitext or tinystories")
-        self.lengths = [int(x) for x in (lengths if lengths is not None else [1024, 2048, 4096, 8192])]
-        self.depths = [float(x) for x in (depths if depths is not None else [0.5])]
-        if any(not 0.0 <= d <= 1.0 for d in self.depths):
-            raise InvalidParameterError(f"task passkey: depths {self.depths} must lie in [0, 1]")
-        self.trials, self.limit, self.chunk_size = int(trials), limit, int(chunk_size)
-        self.max_new_tokens, self.filler, self.seed, self.source = int(max_new_tokens), filler, int(seed), source
+    """A pass key hidden at each (length, depth) of real filler text, asked for after the filler."""
+
+    lengths: list[int] | None = None  # None: 1024, 2048, 4096, 8192
+    depths: list[float] | None = None  # None: 0.5
+    trials: Positive[int] = 1
+    limit: Positive[int | None] = None
+    chunk_size: Positive[int] = 256
+    max_new_tokens: Positive[int] = 8
+    filler: Literal["wikitext", "tinystories"] = "wikitext"
+    seed: int = 0
+    source: Literal["bundled"] = "bundled"
+    batch_size: Positive[int] = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        lengths = [int(x) for x in (self.lengths if self.lengths is not None else [1024, 2048, 4096, 8192])]
+        depths = [float(x) for x in (self.depths if self.depths is not None else [0.5])]
+        if any(not 0.0 <= d <= 1.0 for d in depths):
+            raise self.invalid(f"depths {depths} must lie in [0, 1]")
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "depths", depths)
 
     def cells(self) -> list[tuple[int, float, int]]:
         out = [(n, d, t) for n in self.lengths for d in self.depths for t in range(self.trials)]
@@ -80,7 +71,7 @@ class PasskeyTask(SuiteTask):
         head, needle, question = bos_prefix(tokenizer) + enc(INSTRUCTION), enc(NEEDLE.format(key=key)), enc(QUESTION)
         budget = length - len(head) - len(needle) - len(question)
         if budget < 0:
-            raise InvalidParameterError(f"task passkey: length {length} is too short for the prompt's fixed parts")
+            raise self.invalid(f"length {length} is too short for the prompt's fixed parts")
         start = rng.randrange(0, max(1, len(filler_ids) - budget))
         filler = filler_ids[start : start + budget]
         cut = int(round(depth * len(filler)))
@@ -94,8 +85,8 @@ class PasskeyTask(SuiteTask):
         cells = [c for c in self.cells() if c[0] <= engine.max_length]
         skipped = sorted({c[0] for c in self.cells() if c[0] > engine.max_length})
         if not cells:
-            raise InvalidParameterError(
-                f"task passkey: every length in {self.lengths} exceeds the model's context "
+            raise self.invalid(
+                f"every length in {self.lengths} exceeds the model's context "
                 f"({engine.max_length}); choose task.lengths at most {engine.max_length}"
             )
         built = [self.prompt(tok, filler_ids, min(length, room), depth, trial) for length, depth, trial in cells]

@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvquant.cache import CacheCounts
+from kvquant.eval import intervals
 
 
 @torch.no_grad()
@@ -34,30 +36,18 @@ def chunked_nll(model, ids: torch.Tensor, cache, chunk_size: int) -> tuple[float
     return total, n - 1
 
 
-def sequence_nlls(
-    model,
-    sequences: Sequence[torch.Tensor],
-    new_cache: Callable[[], object],
-    chunk_size: int = 32,
-    progress: Callable[[int], None] | None = None,
-) -> tuple[list[tuple[float, int]], CacheCounts]:
-    """(summed NLL, tokens predicted) of each sequence, each scored with a fresh cache, and the caches' counts."""
-    out: list[tuple[float, int]] = []
-    counts = CacheCounts()
-    for seq in sequences:
-        cache = new_cache()
-        out.append(chunked_nll(model, seq, cache, chunk_size))
-        counts = counts + cache.counts()
-        if progress:
-            progress(1)
-    return out, counts
-
-
 def ppl_metrics(nlls: Sequence[tuple[float, int]]) -> dict[str, float]:
     """Corpus perplexity of per-sequence (summed NLL, tokens): exp of the token-weighted mean NLL."""
     nll, tokens = sum(s for s, _ in nlls), sum(t for _, t in nlls)
     mean = nll / tokens if tokens else float("nan")
     return {"ppl": math.exp(mean), "nll": mean, "ppl_tokens": tokens}
+
+
+def ppl_estimators(nlls: Sequence[tuple[float, int]]) -> dict[str, intervals.Estimator]:
+    """Token-weighted NLL and perplexity over sequences, to resample (``ppl_tokens`` is the budget, not
+    a measurement)."""
+    sums, tokens = [s for s, _ in nlls], [t for _, t in nlls]
+    return {"nll": intervals.ratio(sums, tokens), "ppl": intervals.ratio(sums, tokens, np.exp)}
 
 
 def perplexity(
@@ -67,6 +57,13 @@ def perplexity(
     chunk_size: int = 32,
     progress: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, float], CacheCounts]:
-    """Corpus perplexity over ``sequences`` (each scored separately with a fresh cache)."""
-    nlls, counts = sequence_nlls(model, sequences, new_cache, chunk_size, progress)
+    """Corpus perplexity over ``sequences``, each scored separately with a fresh cache, and the caches' counts."""
+    nlls: list[tuple[float, int]] = []
+    counts = CacheCounts()
+    for seq in sequences:
+        cache = new_cache()
+        nlls.append(chunked_nll(model, seq, cache, chunk_size))
+        counts = counts + cache.counts()
+        if progress:
+            progress(1)
     return ppl_metrics(nlls), counts

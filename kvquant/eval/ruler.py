@@ -13,54 +13,49 @@ of capped examples is reported). A length beyond the model's context is an error
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from kvquant.errors import InvalidParameterError
 from kvquant.eval import intervals
 from kvquant.eval.engine import Engine, Generation
 from kvquant.eval.ruler_tasks import SUBTASKS, generate, string_match_all, tokens_to_generate
-from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source
-from kvquant.eval.tasks import register_task
+from kvquant.eval.suite import Evaluation, SuiteTask
+from kvquant.eval.tasks import Positive, register_task
 
 KEYS = ("score", "subtask", "length")  # what the scores are computed from
 
 
+@dataclass(frozen=True)
 class RulerTask(SuiteTask):
-    def __init__(
-        self,
-        subtasks: list[str] | None = None,
-        lengths: list[int] | None = None,
-        n: int = 20,
-        seed: int = 0,
-        haystack: str = "wikitext",
-        chunk_size: int = 256,
-        max_new_tokens: int | None = None,
-        source: str = "bundled",
-        batch_size: int = 8,
-    ):
-        check_source("ruler", source, ("bundled",))
-        check_positive("ruler", n=n, chunk_size=chunk_size, max_new_tokens=max_new_tokens, batch_size=batch_size)
-        self.batch_size = int(batch_size)
-        chosen = list(subtasks) if subtasks is not None else list(SUBTASKS)
+    """RULER's subtasks at each length, the prompt read back from the method's cache."""
+
+    subtasks: list[str] | None = None  # None: every subtask
+    lengths: list[int] | None = None  # None: 1024, 2048, 4096
+    n: Positive[int] = 20
+    seed: int = 0
+    haystack: Literal["wikitext", "tinystories"] = "wikitext"
+    chunk_size: Positive[int] = 256
+    max_new_tokens: Positive[int | None] = None
+    source: Literal["bundled"] = "bundled"
+    batch_size: Positive[int] = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        chosen = list(self.subtasks) if self.subtasks is not None else list(SUBTASKS)
         unknown = [s for s in chosen if s not in SUBTASKS]
         if unknown or not chosen:
-            raise InvalidParameterError(
-                f"task ruler: unknown subtask '{', '.join(unknown)}'; valid subtasks: {', '.join(SUBTASKS)}"
-            )
-        if haystack not in ("wikitext", "tinystories"):
-            raise InvalidParameterError(f"task ruler: haystack '{haystack}' must be wikitext or tinystories")
-        self.lengths = [int(x) for x in (lengths if lengths is not None else [1024, 2048, 4096])]
-        if not self.lengths or any(x < 1 for x in self.lengths):
-            raise InvalidParameterError(f"task ruler: lengths {self.lengths} must be positive token counts")
-        self.subtasks, self.n, self.seed, self.haystack = chosen, int(n), int(seed), haystack
-        self.chunk_size, self.source = int(chunk_size), source
-        self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
+            raise self.invalid(f"unknown subtask '{', '.join(unknown)}'; valid subtasks: {', '.join(SUBTASKS)}")
+        lengths = [int(x) for x in (self.lengths if self.lengths is not None else [1024, 2048, 4096])]
+        if not lengths or any(x < 1 for x in lengths):
+            raise self.invalid(f"lengths {lengths} must be positive token counts")
+        object.__setattr__(self, "subtasks", chosen)
+        object.__setattr__(self, "lengths", lengths)
 
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
         too_long = [x for x in self.lengths if x > engine.max_length]
         if too_long:
-            raise InvalidParameterError(
-                f"task ruler: length {too_long[0]} exceeds the model's context ({engine.max_length}, "
+            raise self.invalid(
+                f"length {too_long[0]} exceeds the model's context ({engine.max_length}, "
                 f"max_position_embeddings); choose task.lengths at most {engine.max_length}"
             )
         cells = [(s, x, i) for x in self.lengths for s in self.subtasks for i in range(self.n)]

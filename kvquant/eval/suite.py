@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvquant.errors import InvalidParameterError
 from kvquant.eval import intervals
 from kvquant.eval.engine import Engine
 from kvquant.eval.intervals import Estimator
@@ -38,22 +37,17 @@ class Evaluation:
     n: int | None = None  # the examples the metrics are over, where not every row is one (default: all rows)
 
 
-def check_positive(task: str, **values: int | None) -> None:
-    for key, value in values.items():
-        if value is not None and int(value) < 1:
-            raise InvalidParameterError(f"task {task}: {key}={value} must be positive")
-
-
-def check_source(task: str, source: str, offered: tuple[str, ...] = ("bundled", "hub")) -> None:
-    if source not in offered:
-        raise InvalidParameterError(f"task {task}: source '{source}' is not offered; use one of {', '.join(offered)}")
-
-
+@dataclass(frozen=True)
 class SuiteTask(Task):
-    """A task evaluated through an ``Engine``, with fidelity to a reference method."""
+    """A task evaluated through an ``Engine``, with fidelity to a reference method.
 
-    chunk_size: int = 32
-    batch_size: int = 1  # requests per batch (each row its own cache: results equal one at a time)
+    The engine reads the task's ``chunk_size`` (tokens per forward when text is fed through the
+    cache) and ``batch_size`` (requests per batch; each row is its own cache, so results equal one at
+    a time): a subclass declares both as fields, or runs with these defaults.
+    """
+
+    chunk_size = 32
+    batch_size = 1
 
     @abstractmethod
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
@@ -62,6 +56,14 @@ class SuiteTask(Task):
     def estimators(self, rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, Estimator]:
         """Each metric over ``rows`` (by default the mean of each of ``keys``), to bootstrap over examples."""
         return {k: intervals.mean([r[k] for r in rows]) for k in keys if all(_number(r.get(k)) for r in rows)}
+
+    def check_context(self, model, needed: int, what: str) -> None:
+        """Refuse lengths past the model's trained context with a one-line fix (``what``: the setting)."""
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and needed > limit:
+            raise self.invalid(
+                f"{what} needs {needed} tokens but the model's context is {limit}; lower it to at most {limit}"
+            )
 
     def _pass(self, model, tokenizer, method, reference: Reference | None, progress: bool) -> tuple[Engine, Evaluation]:
         engine = Engine(model, tokenizer, method, self.chunk_size, reference, batch_size=self.batch_size)

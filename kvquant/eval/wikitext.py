@@ -10,59 +10,47 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import numpy as np
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from kvquant.data import wikitext2_test
 from kvquant.eval import intervals
 from kvquant.eval.engine import Engine
-from kvquant.eval.suite import Evaluation, SuiteTask, check_positive, check_source
-from kvquant.eval.tasks import register_task
-from kvquant.eval.tinystories import check_context
+from kvquant.eval.perplexity import ppl_estimators, ppl_metrics
+from kvquant.eval.suite import Evaluation, SuiteTask
+from kvquant.eval.tasks import AtLeast, Positive, register_task
 
 KEYS = ("nll", "tokens")  # per window: mean NLL per token, tokens predicted
 
 
+@dataclass(frozen=True)
 class WikiTextTask(SuiteTask):
-    def __init__(
-        self,
-        limit: int | None = 4,
-        window: int = 1024,
-        chunk_size: int = 32,
-        source: str = "bundled",
-        batch_size: int = 8,
-    ):
-        check_source("wikitext", source, ("bundled",))
-        check_positive("wikitext", limit=limit, window=window, chunk_size=chunk_size, batch_size=batch_size)
-        if window < 2:
-            raise ValueError("window must be >= 2")
-        self.limit = None if limit is None else int(limit)
-        self.window, self.chunk_size, self.source = int(window), int(chunk_size), source
-        self.batch_size = int(batch_size)
+    """WikiText-2 perplexity over ``limit`` windows of ``window`` tokens, each with a fresh cache."""
+
+    limit: Positive[int | None] = 4
+    window: Annotated[int, AtLeast(2)] = 1024
+    chunk_size: Positive[int] = 32
+    source: Literal["bundled"] = "bundled"
+    batch_size: Positive[int] = 8
 
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
-        check_context(engine.model, self.window, f"task.window={self.window}")
+        self.check_context(engine.model, self.window, f"task.window={self.window}")
         ids = engine.tokenizer(wikitext2_test(), add_special_tokens=False).input_ids
         windows = [ids[i : i + self.window] for i in range(0, len(ids) - self.window + 1, self.window)]
         windows = windows[: self.limit] if self.limit is not None else windows
-        nll, tokens, examples = 0.0, 0, []
+        examples = []
         asks = [(f"wikitext/{i}", win) for i, win in enumerate(windows)]
         scored = engine.score_many(asks, progress=f"wikitext/{engine.method.name}" if progress else None)
         for i, (s, t) in enumerate(scored):
-            nll, tokens = nll + s, tokens + t
             row = {"id": f"wikitext/{i}", "start_token": i * self.window}
             examples.append(row | {"nll": s / t, "ppl": math.exp(s / t), "tokens": t})
-        mean = nll / tokens if tokens else float("nan")
-        metrics = {"ppl": math.exp(mean), "nll": mean, "ppl_tokens": tokens}
-        return Evaluation(metrics, examples, {"windows_available": len(ids) // self.window}, KEYS)
+        return Evaluation(ppl_metrics(scored), examples, {"windows_available": len(ids) // self.window}, KEYS)
 
     def estimators(
         self, rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = KEYS
     ) -> dict[str, intervals.Estimator]:
-        """Token-weighted NLL and its exp over windows (``ppl_tokens`` is the budget, not a measurement)."""
-        sums, tokens = [r["nll"] * r["tokens"] for r in rows], [r["tokens"] for r in rows]
-        return {"nll": intervals.ratio(sums, tokens), "ppl": intervals.ratio(sums, tokens, np.exp)}
+        """Token-weighted NLL and its exp over windows."""
+        return ppl_estimators([(r["nll"] * r["tokens"], r["tokens"]) for r in rows])
 
 
 register_task("wikitext", WikiTextTask)
