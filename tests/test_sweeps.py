@@ -1,4 +1,5 @@
-"""Hydra multirun sweeps, as a user starts them: basic and joblib launchers, failures, resume, W&B, SLURM config."""
+"""Hydra multirun sweeps, as a user starts them: basic, joblib and submitit-local launchers, failures, resume,
+W&B, SLURM config."""
 
 import json
 import os
@@ -132,3 +133,33 @@ def test_slurm_launcher_composes_without_a_cluster(tmp_path, launcher):
     assert "partition: gpu" in proc.stdout
     if launcher == "slurm":  # our preset's defaults
         assert "gpus_per_node: 1" in proc.stdout and "timeout_min: 240" in proc.stdout
+
+
+def test_submitit_local_sweep_writes_both_results_and_a_rerun_completes_only_the_missing_job(tmp_path):
+    """submitit's local executor takes SLURM's path (each job pickled, run in its own process, its result
+    read back): both results are written; a job killed before it ends leaves no results.json (it is
+    written atomically, last), and running the same sweep again computes that job only."""
+    args = ["hydra/launcher=submitit_local", "method=fp16,kivi2", "logger=none"]
+    first = sweep(tmp_path, *args, f"hydra.sweep.dir={tmp_path / 'first'}", OMP_NUM_THREADS="1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert sweep_record(first)[0].startswith("sweep: 2 jobs, 2 done, 0 skipped, 0 failed; ")
+    jobs = sorted((tmp_path / "first" / ".submitit").glob("*/*_result.pkl"))
+    assert len(jobs) == 2 and len({job.parent.name for job in jobs}) == 2  # two submitit jobs, one result each
+    done = by_method(tmp_path)
+    assert sorted(done) == ["fp16", "kivi2"]
+
+    kept, killed = done["fp16"][0], done["kivi2"][0]
+    kept_bytes, kept_mtime = kept.read_bytes(), kept.stat().st_mtime_ns
+    killed.unlink()  # what a job killed mid-run leaves: no results.json, no job.json
+    (killed.parent / "job.json").unlink()
+    again = sweep(tmp_path, *args, f"hydra.sweep.dir={tmp_path / 'again'}", OMP_NUM_THREADS="1")
+    assert again.returncode == 0, again.stderr[-2000:]
+    line, record = sweep_record(again)
+    assert line.startswith("sweep: 2 jobs, 1 done, 1 skipped, 0 failed; ")
+    status = {o: (job["status"], job["results"]) for job in record["jobs"] for o in job["overrides"] if "method=" in o}
+    assert status["method=fp16"] == ("skipped", str(kept))
+    redone = by_method(tmp_path)
+    assert status["method=kivi2"] == ("done", str(redone["kivi2"][0]))
+    assert redone["kivi2"][0].is_relative_to(tmp_path / "again")
+    assert kept.read_bytes() == kept_bytes and kept.stat().st_mtime_ns == kept_mtime  # reused, not recomputed
+    assert redone["kivi2"][1]["config_hash"] == done["kivi2"][1]["config_hash"]
