@@ -1,7 +1,12 @@
 """kvquant entry point: ``python run.py method=<m> task=<t> [model=<name>] [-m for sweeps]``.
 
-Composes the Hydra config, skips runs whose results already exist (same config hash; ``rerun=true``
+Composes the Hydra config, skips runs whose results already exist (same identity: the config hash
+and the sha256 of any predictor file the method reads, ``experiments/identity.py``; ``rerun=true``
 forces), dispatches to ``experiments/<runner>.py``, writes results.json atomically, then logs W&B.
+A runner module may say how it resumes (``RESUME``): ``"run"`` (the default: a whole run is reused),
+``"cells"`` (a table that reuses its cells, so the table run itself always runs) or ``"never"``
+(timings, which depend on code and machine as much as on the config: always measured again, with the
+C++ kernels' build key in ``env``).
 
 In a sweep (``-m``) a job that fails with a ``KvquantError`` prints its one-line error, writes
 ``job.json`` (status ``failed``) in its folder and lets the others run; ``SweepReport`` (a Hydra
@@ -28,13 +33,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvquant.errors import KvquantError
 from kvquant.fsutil import atomic_write_text
-from kvquant.results import code_commit, config_hash, env_info, find_results, flatten, write_results
+from kvquant.results import code_commit, config_hash, env_info, find_results, flatten, identity, write_results
 
 TABLE_BLOCKS = ("metrics", "paired", "fidelity", "bits", "memory", "timing")
 CONF = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "method", "task", "logger", "experiment")
 JOB_FILE = "job.json"
 SWEEP_FILE = "sweep.json"
+RESUMES = ("run", "cells", "never")
 
 
 def choices_of(value: str) -> list[str]:
@@ -112,26 +118,39 @@ def read_examples(path: Path) -> list[dict] | None:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def resume_of(runner: object) -> str:
+    """How a runner module resumes (``RESUME``, default ``"run"``), checked."""
+    resume = getattr(runner, "RESUME", "run")
+    if resume not in RESUMES:
+        raise ValueError(f"{getattr(runner, '__name__', runner)}.RESUME = {resume!r}; expected one of {RESUMES}")
+    return resume
+
+
 def execute(cfg: DictConfig) -> tuple[str, Path]:
     """Run one job; ``("done", results.json)``, or ``("skipped", the existing results.json)``."""
     config = OmegaConf.to_container(cfg, resolve=True)
     digest = config_hash(config)
-    if not cfg.rerun:
-        existing = find_results(cfg.results_dir, digest)
+    if str(CONF.parent) not in sys.path:  # experiments/ from a SLURM node or worker started elsewhere
+        sys.path.insert(0, str(CONF.parent))
+    runner = importlib.import_module(f"experiments.{cfg.experiment.runner}")
+    resume = resume_of(runner)
+    if resume == "never":
+        print(f"{cfg.experiment.runner} measures time: never reused from an earlier run, measured now")
+    elif resume == "run" and not cfg.rerun:
+        from experiments.identity import parameter_files
+
+        existing = find_results(cfg.results_dir, identity(digest, parameter_files(cfg)))
         if existing is not None:
             print(f"skip: results for this config already exist at {existing} (rerun=true recomputes)")
             return "skipped", existing
     run_dir = HydraConfig.get().runtime.output_dir
-    if str(CONF.parent) not in sys.path:  # experiments/ from a SLURM node or worker started elsewhere
-        sys.path.insert(0, str(CONF.parent))
-    runner = importlib.import_module(f"experiments.{cfg.experiment.runner}")
 
     started = time.perf_counter()
     measured = runner.run(cfg)
     device = measured.pop("device", None)
     results = {"config": config, "config_hash": digest, **measured}
     results["timing"] = {"wall_s": time.perf_counter() - started, **measured.get("timing", {})}
-    results["env"] = env_info(device)
+    results["env"] = env_info(device, kernels=resume == "never")
     path = write_results(run_dir, results)
     print_table(cfg, results)
     print(f"results: {path}")

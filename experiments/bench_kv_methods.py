@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from experiments.figures import publish_table
+from experiments.figures import progress, publish_table, start, write_markdown
 
 NAME = "bench_kv_methods"
+RESUME = "never"  # run.py: timings are measured again on every run, never reused
 BASELINE = "fp16"
 HF = "hf_dynamic"
 FLOOR = "_floor"
@@ -196,23 +197,17 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
                 for r in rows.to_dict(orient="records")
             ]
             lines.append(f"| {cache} | " + " | ".join(cells) + " |")
-    path = stem.with_suffix(".md")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path]
+    return [write_markdown(stem, lines)]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    from experiments.evaluate import load
     from experiments.greedy import build_methods
     from kvquant.analysis.capture import capture_kv
     from kvquant.errors import KvquantError
 
-    exp = cfg.experiment
-    if exp.threads:
-        torch.set_num_threads(int(exp.threads))
-    model, tokenizer, device = load(cfg)
+    if cfg.experiment.threads:
+        torch.set_num_threads(int(cfg.experiment.threads))
+    exp, model, tokenizer, device = start(cfg)
     built, skipped = build_methods({BASELINE: {}, **dict(method_spec(str(m)) for m in exp.methods if m != BASELINE)})
     for name, method in list(built.items()):
         try:
@@ -224,7 +219,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     limit = model.config.max_position_embeddings
     contexts = sorted({min(int(c), limit - int(exp.new_tokens)) for c in exp.contexts})
     rows = []
-    for ctx in tqdm(contexts, desc=NAME, disable=not cfg.progress):
+    for ctx in progress(contexts, cfg, NAME):
         ids = context_ids(tokenizer, ctx)
         kv = capture_kv(model, ids[:-1])
         floors = {}

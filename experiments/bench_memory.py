@@ -30,9 +30,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.figures import publish_table
+from experiments.figures import progress, publish_table, start, write_markdown
 
 NAME = "bench_memory"
+RESUME = "never"  # run.py: measured again on every run, never reused (memory depends on code, not config)
 BASELINE = "fp16"
 HF = "hf_dynamic"
 MIB = 1 << 20
@@ -146,18 +147,11 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
     for cache, rows in ok.groupby("cache", sort=False):
         longest = longest_context(rows.to_dict(orient="records"), float(budget)) if budget != "?" else None
         lines.append(f"| {cache} | {'–' if longest is None else f'{longest:,.0f}'} |")
-    path = stem.with_suffix(".md")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path]
+    return [write_markdown(stem, lines)]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    from experiments.evaluate import load
-
-    exp = cfg.experiment
-    model, _, device = load(cfg)
+    exp, model, _, device = start(cfg)
     if device != "cpu":
         from kvquant.errors import InvalidParameterError
 
@@ -170,7 +164,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     spawn = multiprocessing.get_context("spawn")
     args = (str(cfg.model.name), contexts, int(exp.chunk_size), int(exp.threads))
-    for entry in tqdm(entries, desc=NAME, disable=not cfg.progress):
+    for entry in progress(entries, cfg, NAME):
         with spawn.Pool(1) as pool:
             rows += pool.apply(measure, (args[0], entry, *args[1:]))
     experiment = {

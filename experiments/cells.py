@@ -7,11 +7,15 @@ parameters) on the table run's model. Its config is composed exactly as
         method=<m> task=<t> ++method.<k>=<v> ++task.<k>=<v>
 
 would compose it, so its config hash is the one run.py writes for that command line. A cell whose
-hash already has a results.json anywhere under ``results_dir`` (a finished cell of an interrupted
-table, or a run of a plain sweep) is read, not recomputed; a new cell writes its results.json, in
-run.py's format, to ``<table run dir>/cells/<method>_<task>/``. A cell that raises ``KvquantError``
-(aquakv without predictors, CoQA offline, a group size the model cannot take) is kept as
-``skipped`` with the error's line, never a crash.
+identity (that hash, plus the sha256 of the predictor file an AQUA-KV cell reads:
+``experiments/identity.py``) already has a results.json anywhere under ``results_dir`` (a finished cell
+of an interrupted table, or a run of a plain sweep) is read, not recomputed; so after a recalibration
+the AQUA-KV cells are computed again, and a cell that records no predictor digest (unverifiable) is
+never reused. A new cell writes its results.json, in run.py's format, to
+``<table run dir>/cells/<method>_<task>/``. A cell that raises ``KvquantError`` (aquakv without
+predictors, CoQA offline, a group size the model cannot take) is kept as ``skipped`` with the error's
+line, never a crash. When the cells with results come from different code commits or read different
+digests of one predictor file, one warning line says so (``kvquant.results.mix_warning``).
 
 Table runners (``table_tasks``, ``table_aquakv``) are artefacts in ``experiments.figures``' sense:
 ``NAME`` and ``render(table, stem)``, which writes the Markdown table / figure from the CSV alone.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +42,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvquant.errors import InvalidParameterError, KvquantError
-from kvquant.results import RESULTS_FILE, config_hash, env_info, write_results
+from kvquant.results import (
+    RESULTS_FILE,
+    config_hash,
+    env_info,
+    identity,
+    mix_warning,
+    result_identity,
+    unverifiable,
+    write_results,
+)
 
 CELLS_DIR = "cells"
 CELL_GROUPS = ("experiment", "method", "task")  # set per cell; the table's own overrides of these are dropped
@@ -167,20 +181,25 @@ def command(cell: Cell, base: list[str]) -> str:
     return " ".join(["python run.py", *base, *cell.overrides])
 
 
-def results_index(root: str | Path) -> dict[str, Path]:
-    """Config hash → the first results.json under ``root`` that has it (``find_results``' rule, one scan)."""
+def results_index(root: str | Path) -> tuple[dict[str, Path], dict[str, Path]]:
+    """Identity → the first results.json under ``root`` that has it (``find_results``' rule, one scan),
+    and config hash → the first unverifiable one (never reused; named when its cell is recomputed)."""
     index: dict[str, Path] = {}
+    unverified: dict[str, Path] = {}
     root = Path(root)
     if not root.is_dir():
-        return index
+        return index, unverified
     for path in sorted(root.rglob(RESULTS_FILE)):
         try:
-            digest = json.loads(path.read_text(encoding="utf-8")).get("config_hash")
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             continue
-        if digest:
-            index.setdefault(digest, path)
-    return index
+        ident = result_identity(data)
+        if ident:
+            index.setdefault(ident, path)
+        elif data.get("config_hash") and unverifiable(data):
+            unverified.setdefault(str(data["config_hash"]), path)
+    return index, unverified
 
 
 def one_line(exc: BaseException) -> str:
@@ -195,16 +214,25 @@ def run_cells(
     """Each cell's results: reused from ``cfg.results_dir`` when its hash exists, else computed and written
     (or, with ``compute`` false, listed as pending: a long table's finished part, rendered between sessions)."""
     from experiments import evaluate
+    from experiments.identity import parameter_files
 
     base = base_overrides() if base is None else base
-    index = results_index(cfg.results_dir)
+    index, unverified = results_index(cfg.results_dir)
     models: dict[str, tuple] = {}
     out: list[CellResult] = []
     for cell in cells:
         cell_cfg = cell_config(cell, base)
         config = OmegaConf.to_container(cell_cfg, resolve=True)
         digest = config_hash(config)
-        found = index.get(digest)
+        try:
+            ident = identity(digest, parameter_files(cell_cfg))
+        except KvquantError as exc:  # its predictor file is missing or made for another model
+            out.append(CellResult(cell, "skipped", digest, reason=one_line(exc)))
+            print(f"cell {cell.method} × {cell.task}: skipped: {out[-1].reason}")
+            continue
+        found = index.get(ident)
+        if found is None and digest in unverified:
+            print(f"cell {cell.method} × {cell.task}: {unverified[digest]} records no predictor digest: not reused")
         if found is not None:
             out.append(CellResult(cell, "reused", digest, found, json.loads(found.read_text(encoding="utf-8"))))
             print(f"cell {cell.method} × {cell.task}: reused {found}")
@@ -233,9 +261,12 @@ def run_cells(
         results["timing"] = {"wall_s": time.perf_counter() - started, **measured.get("timing", {})}
         results["env"] = env_info(device)
         path = write_results(folder, results)
-        index[digest] = path
+        index[ident] = path
         out.append(CellResult(cell, "computed", digest, path, json.loads(path.read_text(encoding="utf-8"))))
         print(f"cell {cell.method} × {cell.task}: {results['timing']['wall_s']:.1f}s, {path}")
+    warning = mix_warning([r.results for r in out if r.status in DONE and r.results], "cells of this table")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     return out
 
 

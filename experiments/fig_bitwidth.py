@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from experiments.figures import publish, records
+from experiments.figures import progress, publish, records, start
 from kvquant.plots import method_color, pyplot, save_figure
 
 NAME = "fig_bitwidth"
@@ -111,27 +111,20 @@ def render(table, stem: Path) -> list[Path]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     import pandas as pd
     from hydra.core.hydra_config import HydraConfig
-    from tqdm.auto import tqdm
 
-    from experiments.evaluate import load
     from kvquant.data import wikitext2_test
     from kvquant.errors import InvalidParameterError
     from kvquant.models import model_info
 
-    exp = cfg.experiment
-    model, tok, device = load(cfg)
+    exp, model, tok, device = start(cfg)
     limit = model.config.max_position_embeddings
     contexts = [int(c) for c in exp.contexts if int(c) + exp.decode_steps < limit]
     if not contexts:
         raise InvalidParameterError(f"experiment.contexts leave no room to decode within the model's {limit} tokens")
     ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
     rows = []
-    bar = tqdm(total=len(contexts) * len(exp.methods), desc=NAME, disable=not cfg.progress)
-    for method in exp.methods:
-        for context in contexts:
-            rows += measure(model, ids, method, context, exp.decode_steps)
-            bar.update(1)
-    bar.close()
+    for method, context in progress([(m, c) for m in exp.methods for c in contexts], cfg, NAME):
+        rows += measure(model, ids, method, context, exp.decode_steps)
     out = Path(HydraConfig.get().runtime.output_dir)
     table, _ = publish(render, NAME, pd.DataFrame(rows), out, exp.figures_dir)
     overall = table[table.layer.astype(str) == "all"]

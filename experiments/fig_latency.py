@@ -23,6 +23,7 @@ from experiments.figures import publish, records
 from kvquant.plots import method_color, pyplot, save_figure
 
 NAME = "fig_latency"
+RESUME = "never"  # run.py: timings are measured again on every run, never reused
 BASELINE = "fp16"
 
 

@@ -152,6 +152,35 @@ def publish(
     return table, _copy([stem.with_suffix(".csv"), *written], Path(figures_dir))
 
 
+def write_markdown(stem: Path, lines: list[str]) -> Path:
+    """``stem.md`` holding ``lines``: where every Markdown artefact's ``render`` ends."""
+    path = stem.with_suffix(".md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def skipped_line(row: dict[str, Any], label: str, blanks: int = 0) -> str | None:
+    """The Markdown row of an entry that could not run (a string ``reason``: ``| label | skipped: reason |``
+    and ``blanks`` empty cells), None for an entry with numbers."""
+    reason = row.get("reason")
+    return f"| {row[label]} | skipped: {reason} |" + " |" * blanks if isinstance(reason, str) else None
+
+
+def start(cfg: Any) -> tuple[Any, Any, Any, str]:
+    """``(cfg.experiment, model, tokenizer, device)``: how a runner that measures one model begins."""
+    from experiments.evaluate import load
+
+    return (cfg.experiment, *load(cfg))
+
+
+def progress(items: Iterable, cfg: Any, name: str) -> Iterable:
+    """``items`` with a progress bar named ``name`` (none with ``progress=false``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=name, disable=not cfg.progress)
+
+
 def publish_table(
     render: Callable[..., list[Path]],
     name: str,

@@ -57,6 +57,7 @@ from kvquant.errors import InvalidParameterError
 from kvquant.plots import pyplot, save_figure
 
 NAME = "niah"
+RESUME = "cells"  # run.py: the table always runs; each cell is reused by its identity (experiments/cells.py)
 TASK = "passkey"
 METRIC = "passkey_acc"
 PER_CELL = ("lengths", "depths", "trials", "limit")  # passkey parameters the grid sets, never experiment.task

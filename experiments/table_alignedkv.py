@@ -17,9 +17,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.figures import publish_table
+from experiments.figures import progress, publish_table, start, write_markdown
 
 NAME = "table_alignedkv"
+NOTE = (
+    "Bits read count the decode steps only (prefill attends in full precision, as in the paper) and include "
+    "the metadata each step reads (the per-channel max of |K|; AlignedKV+'s block exponents). Widths: share "
+    "of K and V elements read at each width. Tokens equal to fp16: share of generated positions whose greedy "
+    "token equals fp16's on the same prompt."
+)
 
 
 def width_columns(prefix: str, widths: dict[int, float]) -> dict[str, float]:
@@ -72,27 +78,14 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
         )
     skipped = exp.get("skipped") or {}
     lines += [f"| {label} | skipped: {reason} |" for label, reason in skipped.items()]
-    lines += [
-        "",
-        "Bits read count the decode steps only (prefill attends in full precision, as in the paper) and include "
-        "the metadata each step reads (the per-channel max of |K|; AlignedKV+'s block exponents). Widths: share "
-        "of K and V elements read at each width. Tokens equal to fp16: share of generated positions whose greedy "
-        "token equals fp16's on the same prompt.",
-    ]
-    path = stem.with_suffix(".md")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path]
+    return [write_markdown(stem, [*lines, "", NOTE])]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    from experiments.evaluate import load
     from experiments.greedy import build_methods, check_fits, compare, references, wikitext_ids, windows
     from kvquant.eval.fidelity import greedy_decode
 
-    exp = cfg.experiment
-    model, tok, device = load(cfg)
+    exp, model, tok, device = start(cfg)
     check_fits(model, int(exp.long_context), int(exp.long_new), "experiment.long_context")
     check_fits(model, int(exp.prompt_tokens), int(exp.new_tokens), "experiment.prompt_tokens")
     ids = wikitext_ids(tok)
@@ -101,7 +94,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     methods, skipped = build_methods(OmegaConf.to_container(exp.methods, resolve=True))
     refs = references(model, prompts, int(exp.new_tokens))
     rows = []
-    for label, method in tqdm(methods.items(), desc=NAME, disable=not cfg.progress):
+    for label, method in progress(methods.items(), cfg, NAME):
         with method.attach(model):
             long = greedy_decode(model, long_prompt, method.new_cache(model), int(exp.long_new)).counts.summary()
             fid = compare(model, prompts, refs, lambda m=method: m.new_cache(model), int(exp.new_tokens)).row()

@@ -18,11 +18,13 @@ from typing import Any
 from omegaconf import DictConfig
 
 from experiments.cells import excludes_zero, fmt, fmt_ci, footnotes, missing, run_table
+from experiments.figures import write_markdown
 from experiments.table_tasks import col
 from kvquant.eval.intervals import MIN_N_CLAIM
 from kvquant.plots import method_color, pyplot, save_figure
 
 NAME = "table_aquakv"
+RESUME = "cells"  # run.py: the table always runs; each cell is reused by its identity (experiments/cells.py)
 REFERENCE = "fp16"
 ABLATIONS = {"aquakv_k_only": ("^", "key predictors only"), "aquakv_v_only": ("v", "value predictors only")}
 WIDTH = 6  # Markdown columns per task
@@ -93,10 +95,7 @@ def markdown(ours, stem: Path) -> Path:
         PUBLISHED_NOTE,
         *(["", *note_lines] if note_lines else []),
     ]
-    path = stem.with_suffix(".md")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
+    return write_markdown(stem, lines)
 
 
 def figure(ours, stem: Path) -> list[Path]:

@@ -19,9 +19,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from experiments.figures import publish_table
+from experiments.figures import progress, publish_table, skipped_line, start, write_markdown
 
 NAME = "table_backends"
+RESUME = "never"  # run.py: timings are measured again on every run, never reused
 
 
 def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Path]:
@@ -36,8 +37,8 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
         "|---|---|---|---|---|---|",
     ]
     for r in table.to_dict(orient="records"):
-        if isinstance(r.get("reason"), str):
-            lines.append(f"| {r['method']} | skipped: {r['reason']} | | | | |")
+        if skipped := skipped_line(r, "method", 4):
+            lines.append(skipped)
             continue
         firsts = r["first_differences"] if isinstance(r["first_differences"], str) else "–"  # NaN: none
         lines.append(
@@ -52,9 +53,7 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
         "last fp32 bits, later layers' K/V move by as much, and a code on a rounding boundary flips by a whole step, "
         "so their greedy paths part beyond near-ties; the same bits are read on both backends.",
     ]
-    path = stem.with_suffix(".md")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path]
+    return [write_markdown(stem, lines)]
 
 
 def compare_backends(model, prompts, method, backend: str, new_tokens: int) -> dict[str, Any]:
@@ -97,20 +96,16 @@ def compare_backends(model, prompts, method, backend: str, new_tokens: int) -> d
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    from experiments.evaluate import load
     from experiments.greedy import prompt_windows
     from kvquant.errors import KvquantError
     from kvquant.eval.fidelity import NEAR_TIE
     from kvquant.methods import get_method
 
-    exp = cfg.experiment
-    model, tok, device = load(cfg)
+    exp, model, tok, device = start(cfg)
     new_tokens, prompt_tokens = int(exp.new_tokens), int(exp.prompt_tokens)
     prompts = prompt_windows(model, tok, exp)
     rows = []
-    for name in tqdm([str(m) for m in exp.methods], desc=NAME, disable=not cfg.progress):
+    for name in progress([str(m) for m in exp.methods], cfg, NAME):
         try:
             method = get_method(name, backend=str(exp.backend))
             method.new_cache(model)  # refusals (no kernels here, a model they cannot run) before any decoding

@@ -17,10 +17,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.figures import publish_table
+from experiments.figures import progress, publish_table, skipped_line, start, write_markdown
 
 NAME = "table_hf_quantized"
+RESUME = "never"  # run.py: timings are measured again on every run, never reused
 COMPARE_EXTRA = "pip install -e '.[compare]'"
+NOTE = (
+    "Bits per element at this context, fp16 windows included: measured from the tensors kvquant's caches "
+    "hold; for transformers' caches, which expose no byte count, by formula (quanto: codes plus an fp16 scale "
+    "and zero per group of 64, the newest tokens in its fp16 window; fp8: 8 bits). Decode × fp16: summed decode "
+    "time over fp16's in the same run (CPU reference paths, a loaded machine moves it)."
+)
 
 
 def hf_bits(backend: str, nbits: int, prompt: int, steps: int, residual: int = 128, group: int = 64) -> float:
@@ -73,8 +80,8 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
         "|---|---|---|---|---|---|---|",
     ]
     for r in table.to_dict(orient="records"):
-        if isinstance(r.get("reason"), str):
-            lines.append(f"| {r['cache']} | skipped: {r['reason']} |")
+        if skipped := skipped_line(r, "cache"):
+            lines.append(skipped)
             continue
         formula = " (formula)" if r["bits_source"] == "formula" else ""
         lines.append(
@@ -82,27 +89,14 @@ def render(table, stem: Path, results: dict[str, Any] | None = None) -> list[Pat
             f"| {int(r['prompts_identical'])}/{int(r['prompts'])} | {_num(r['bits_stored'], 2)}{formula} "
             f"| {_num(r['bits_read'], 2)}{formula} | {_num(r['decode_ratio_fp16'], 2)} |"
         )
-    lines += [
-        "",
-        "Bits per element at this context, fp16 windows included: measured from the tensors kvquant's caches "
-        "hold; for transformers' caches, which expose no byte count, by formula (quanto: codes plus an fp16 scale "
-        "and zero per group of 64, the newest tokens in its fp16 window; fp8: 8 bits). Decode × fp16: summed decode "
-        "time over fp16's in the same run (CPU reference paths, a loaded machine moves it).",
-    ]
-    path = stem.with_suffix(".md")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path]
+    return [write_markdown(stem, [*lines, "", NOTE])]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    from experiments.evaluate import load
     from experiments.greedy import build_methods, compare, prompt_windows, references
     from kvquant.errors import KvquantError
 
-    exp = cfg.experiment
-    model, tok, device = load(cfg)
+    exp, model, tok, device = start(cfg)
     new_tokens, prompt_tokens = int(exp.new_tokens), int(exp.prompt_tokens)
     prompts = prompt_windows(model, tok, exp)
     refs = references(model, prompts, new_tokens)
@@ -121,7 +115,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             {"cache": label, "source": "transformers", **fid, "bits_stored": bits, "bits_read": bits}
             | {"bits_source": "formula", "decode_ratio_fp16": fid["decode_s"] / fp16_decode_s}
         )
-    for label, method in tqdm(methods.items(), desc=NAME, disable=not cfg.progress):
+    for label, method in progress(methods.items(), cfg, NAME):
         with method.attach(model):
             fid = compare(model, prompts, refs, lambda m=method: m.new_cache(model), new_tokens).row()
         rows.append(

@@ -18,9 +18,17 @@ from typing import Any
 from omegaconf import DictConfig
 
 from experiments.cells import fmt, footnotes, run_table
+from experiments.figures import write_markdown
 
 NAME = "table_ppl_aquakv"
+RESUME = "cells"  # run.py: the table always runs; each cell is reused by its identity (experiments/cells.py)
 REFERENCE = "fp16"
+NOTE = (
+    "Bits stored are measured from the tensors each cache held (scales, fp16 sink and window included, so "
+    "short contexts read high); analytic is the method's asymptotic bits per value. `higgs2_l0b4` is HIGGS "
+    "with AQUA-KV's 4-bit layer 0 and no predictors: the gap between it and `aquakv2` is what the predictors "
+    "buy. AQUA-KV's predictors are calibrated on TinyStories, so WikiText-2 judges them out of domain."
+)
 
 
 def render(table, stem: Path) -> list[Path]:
@@ -49,16 +57,7 @@ def render(table, stem: Path) -> list[Path]:
                 f"| {fmt(r['bits_stored'], 3)} | {fmt(r['bits_analytic'], 3)} |"
             )
         lines.append("")
-    lines += [
-        "Bits stored are measured from the tensors each cache held (scales, fp16 sink and window included, so "
-        "short contexts read high); analytic is the method's asymptotic bits per value. `higgs2_l0b4` is HIGGS "
-        "with AQUA-KV's 4-bit layer 0 and no predictors: the gap between it and `aquakv2` is what the predictors "
-        "buy. AQUA-KV's predictors are calibrated on TinyStories, so WikiText-2 judges them out of domain.",
-        *(["", *note_lines] if note_lines else []),
-    ]
-    path = stem.with_suffix(".md")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [path]
+    return [write_markdown(stem, [*lines, NOTE, *(["", *note_lines] if note_lines else [])])]
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.figures import publish_table
+from experiments.figures import progress, publish_table, start
 
 NAME = "table_relerr"
 
@@ -75,19 +75,15 @@ def percentages(text: str) -> dict[str, list[float]]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
-    from experiments.evaluate import load
     from kvquant.analysis.relerr import relative_error_table
     from kvquant.data import wikitext2_test
 
-    exp = cfg.experiment
-    model, tok, device = load(cfg)
+    exp, model, tok, device = start(cfg)
     context = min(int(exp.context), model.config.max_position_embeddings - 1)
     methods, skipped = build_methods(OmegaConf.to_container(exp.methods, resolve=True), model)
     ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
     sums: dict[str, dict[str, float]] = {label: {} for label in methods}
-    for i in tqdm(range(exp.prompts), desc=NAME, disable=not cfg.progress):
+    for i in progress(range(exp.prompts), cfg, NAME):
         shares_by_method = relative_error_table(model, ids[i * context : (i + 1) * context + 1], methods)
         for label, kinds in shares_by_method.items():
             for kind, shares in kinds.items():

@@ -17,11 +17,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.cells import cell_row, counts, excludes_zero, fmt_ci, footnotes, grid, run_cells
-from experiments.table_tasks import FIDELITY_HEAD, col, fidelity_values, write_markdown
+from experiments.figures import write_markdown
+from experiments.table_tasks import col, fidelity_head, fidelity_values
 from kvquant.eval.intervals import MIN_N_CLAIM
 from kvquant.eval.ruler_tasks import SUBTASKS
 
 NAME = "table_ruler"
+RESUME = "cells"  # run.py: the table always runs; each cell is reused by its identity (experiments/cells.py)
 TASK = "ruler"
 
 
@@ -89,10 +91,7 @@ def render(table, stem: Path) -> list[Path]:
         f"\\* the interval excludes 0 and n ≥ {MIN_N_CLAIM}: the method scores differently from fp16 beyond "
         "resampling noise; elsewhere this n cannot tell it from fp16.",
         "",
-        "## Fidelity to fp16 (all RULER prompts of the run; fp16 is the reference)",
-        "",
-        "| method | " + " | ".join(FIDELITY_HEAD.values()) + " |",
-        "|---" * (1 + len(FIDELITY_HEAD)) + "|",
+        *fidelity_head("all RULER prompts of the run", ["method"]),
     ]
     for row in ours[ours.status != "skipped"].drop_duplicates("method").itertuples():
         lines.append(f"| {row.method} | " + " | ".join(fidelity_values(row, col(row, "examples"), 0)) + " |")

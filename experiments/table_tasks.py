@@ -18,9 +18,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from experiments.cells import DONE, FIDELITY, excludes_zero, fmt, fmt_ci, footnotes, run_table
+from experiments.figures import write_markdown
 from kvquant.eval.intervals import MIN_N_CLAIM
 
 NAME = "table_tasks"
+RESUME = "cells"  # run.py: the table always runs; each cell is reused by its identity (experiments/cells.py)
 PUBLISHED_SOURCE = "published (Llama-2-7B, KIVI paper)"
 PUBLISHED_MODEL = "llama2_7b"
 # ../shared/SPEC.md "Published numbers": KIVI (G=32, R=128) on Llama-2-7B, in the paper's units (%).
@@ -148,14 +150,21 @@ def render(table, stem: Path) -> list[Path]:
         *(["", *note_lines] if note_lines else []),
         *paired_lines(ours, tasks),
         "",
-        "## Fidelity to fp16 (same prompts; fp16 is the reference)",
-        "",
-        "| method | task | " + " | ".join(FIDELITY_HEAD.values()) + " |",
-        "|---" * (2 + len(FIDELITY_HEAD)) + "|",
+        *fidelity_head("same prompts", ["method", "task"]),
     ]
     for row in ours[ours.status.isin(DONE)].itertuples():
         lines.append(f"| {row.method} | {row.task} | " + " | ".join(fidelity_values(row, row.n)) + " |")
     return [write_markdown(stem, lines)]
+
+
+def fidelity_head(prompts: str, keys: list[str]) -> list[str]:
+    """The heading and header rows of a fidelity table: ``keys`` (method, task, …), then ``FIDELITY_HEAD``."""
+    return [
+        f"## Fidelity to fp16 ({prompts}; fp16 is the reference)",
+        "",
+        "| " + " | ".join([*keys, *FIDELITY_HEAD.values()]) + " |",
+        "|---" * (len(keys) + len(FIDELITY_HEAD)) + "|",
+    ]
 
 
 def fidelity_values(row, n: Any, wall_digits: int = 1) -> list[str]:
@@ -168,13 +177,6 @@ def fidelity_values(row, n: Any, wall_digits: int = 1) -> list[str]:
         else:
             values.append(fmt(getattr(row, key), digits))
     return values + [fmt(row.wall_s, wall_digits)]
-
-
-def write_markdown(stem: Path, lines: list[str]) -> Path:
-    path = stem.with_suffix(".md")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -1,10 +1,15 @@
 """results.json: the contract between runs, tables, plots and W&B.
 
 A run's identity is the hash of its resolved config minus where it writes (``results_dir``,
-``hydra``), whether it forces (``rerun``) and how it is logged (``logger``): a sweep that finds a
-results.json with the same hash skips that run. ``python -m kvquant.results DIR`` collects every
-results.json under DIR into one table, each 95% interval as two columns (``ci95/<block>/<name>/lo``
-and ``/hi``; absent for runs written before intervals existed or with one example).
+``hydra``), whether it forces (``rerun``) and how it is logged (``logger``), combined with the sha256
+of every parameter file its method reads (AQUA-KV's predictors: a recalibration keeps the file name,
+not its digest): a sweep that finds a results.json with the same identity skips that run. A result
+whose config names such a file (``FILE_PARAMS``) but which records no digest of it
+(``method.files.<name>.sha256``, written since 2f7f30f) is *unverifiable*: it is never reused.
+``python -m kvquant.results DIR`` collects every results.json under DIR into one table, each 95%
+interval as two columns (``ci95/<block>/<name>/lo`` and ``/hi``; absent for runs written before
+intervals existed or with one example), lists the unverifiable results, and warns in one line when the
+results come from different code commits or different digests of one parameter file.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from kvquant.fsutil import atomic_write_text
 
 IGNORED_KEYS = ("results_dir", "rerun", "logger", "hydra", "progress")
 RESULTS_FILE = "results.json"
+#: method parameters that name a file the method reads its parameters from (``null``: a default path)
+FILE_PARAMS = ("predictors",)
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -36,18 +43,92 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def find_results(root: str | os.PathLike, digest: str) -> Path | None:
-    """The first results.json under ``root`` whose ``config_hash`` is ``digest``."""
+def identity(digest: str, files: dict[str, str] | None = None) -> str:
+    """A run's identity: its config hash ``digest`` and the sha256 of each parameter file it reads
+    (``{name: sha256}``). Without files it is the config hash itself, so results of runs that read
+    none keep the identity they were written with."""
+    if not files:
+        return digest
+    blob = json.dumps({"config_hash": digest, "files": files}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def recorded_files(data: dict[str, Any]) -> dict[str, str]:
+    """``{name: sha256}`` of the parameter files a results.json says its method read (``method.files``)."""
+    files = (data.get("method") or {}).get("files") or {}
+    return {name: f["sha256"] for name, f in files.items() if isinstance(f, dict) and f.get("sha256")}
+
+
+def unverifiable(data: dict[str, Any]) -> list[str]:
+    """The file parameters a result's config names (its method reads such a file) whose digest the
+    result does not record: nothing says which file it was made with."""
+    method = (data.get("config") or {}).get("method") or {}
+    recorded = recorded_files(data)
+    return [name for name in FILE_PARAMS if isinstance(method, dict) and name in method and name not in recorded]
+
+
+def result_identity(data: dict[str, Any]) -> str | None:
+    """The identity of a written result (``identity`` of its hash and recorded files); None for an
+    unverifiable result or one without a hash, which no run reuses."""
+    digest = data.get("config_hash")
+    if not isinstance(digest, str) or unverifiable(data):
+        return None
+    return identity(digest, recorded_files(data))
+
+
+def find_results(root: str | os.PathLike, ident: str) -> Path | None:
+    """The first results.json under ``root`` whose identity (``result_identity``) is ``ident``."""
     root = Path(root)
     if not root.is_dir():
         return None
     for path in sorted(root.rglob(RESULTS_FILE)):
         try:
-            if json.loads(path.read_text(encoding="utf-8")).get("config_hash") == digest:
+            if result_identity(json.loads(path.read_text(encoding="utf-8"))) == ident:
                 return path
-        except (OSError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError, AttributeError):
             continue
     return None
+
+
+def file_role(record: dict[str, Any]) -> str:
+    """Which file a ``method.files`` entry is, across machines: its folder and name (the predictor
+    folder itself differs from one home to the next)."""
+    path = Path(str(record.get("path", "?")))
+    return f"{path.parent.name}/{path.name}"
+
+
+def mix_warning(results: list[dict[str, Any]], what: str = "results") -> str | None:
+    """One line when ``results`` (results.json contents, ``what`` in the line) come from different code
+    commits (``env.git_commit``) or read different digests of the same parameter file; None when they agree."""
+    commits = sorted({c for r in results if (c := (r.get("env") or {}).get("git_commit"))})
+    digests: dict[str, set[str]] = {}
+    for r in results:
+        for record in ((r.get("method") or {}).get("files") or {}).values():
+            if isinstance(record, dict) and record.get("sha256"):
+                digests.setdefault(file_role(record), set()).add(str(record["sha256"]))
+    parts = []
+    if len(commits) > 1:
+        short = ", ".join(c[:7] + ("+dirty" if c.endswith("+dirty") else "") for c in commits)
+        parts.append(f"{len(commits)} code commits ({short})")
+    parts += [
+        f"{len(shas)} digests of {role} ({', '.join(s[:12] for s in sorted(shas))})"
+        for role, shas in sorted(digests.items())
+        if len(shas) > 1
+    ]
+    if not parts:
+        return None
+    return f"warning: {len(results)} {what} mix {'; '.join(parts)}: the numbers may not be comparable"
+
+
+def kernels_build_key() -> str | None:
+    """The C++ kernels' build key (sources, compiler, flags, CPU), which a timing depends on; None where
+    ``kernels_cpu`` cannot say (imported lazily: this module runs where the kernels are absent)."""
+    try:
+        from kernels_cpu.loader import build_key
+
+        return build_key()
+    except Exception:  # any failure (no compiler, sources moved) means: no key to record
+        return None
 
 
 def drop_missing(obj: Any) -> Any:
@@ -101,7 +182,8 @@ def code_commit() -> str | None:
     return git_commit()
 
 
-def env_info(device: str | None = None) -> dict[str, Any]:
+def env_info(device: str | None = None, kernels: bool = False) -> dict[str, Any]:
+    """Where a result was made; ``kernels``: also the C++ kernels' build key (a timing depends on it)."""
     return {
         "python": platform.python_version(),
         "torch": _version("torch"),
@@ -112,6 +194,7 @@ def env_info(device: str | None = None) -> dict[str, Any]:
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "device": device,
+        **({"kernels_cpu_build_key": kernels_build_key()} if kernels else {}),
     }
 
 
@@ -150,9 +233,22 @@ def collect(root: str | os.PathLike):
         except (OSError, json.JSONDecodeError) as exc:
             print(f"skipping unreadable {path}: {exc}", file=sys.stderr)
             continue
+        missing = unverifiable(data)
         data.pop("config", None)
-        rows.append({"path": str(path.parent), **split_intervals(flatten(data))})
+        row = {"path": str(path.parent), **split_intervals(flatten(data))}
+        rows.append(row | ({"unverifiable": ",".join(missing)} if missing else {}))
     return pd.DataFrame(rows)
+
+
+def read_all(root: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every readable results.json under ``root``, parsed (what ``mix_warning`` reads)."""
+    out = []
+    for path in sorted(Path(root).rglob(RESULTS_FILE)):
+        try:
+            out.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -176,6 +272,17 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(table)} rows to {args.csv}")
     shown = table if args.columns == "all" else table[[c for c in args.columns.split(",") if c in table.columns]]
     print(shown.to_string(index=False))
+    if "unverifiable" in table:
+        listed = table[table["unverifiable"].notna()]
+        print(
+            f"unverifiable: {len(listed)} results read a parameter file without recording its sha256 "
+            "(method.files); no run reuses them:"
+        )
+        for row in listed.itertuples():
+            print(f"  {row.path} ({row.unverifiable})")
+    warning = mix_warning(read_all(args.root))
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 

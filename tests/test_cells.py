@@ -138,3 +138,108 @@ def test_a_difference_is_claimed_only_off_zero_and_from_enough_examples():
     assert not excludes_zero(float("nan"), float("nan"), 50)
     assert fmt_ci(0.5, 0.4, 0.6, scale=100) == "50.00 [40.00, 60.00]" and fmt_ci(0.5, None, None) == "0.50"
     assert fmt_ci(0.01, -0.02, 0.03, 3, sign=True) == "+0.010 [-0.020, +0.030]" and fmt_ci(None, 1, 2) == "–"
+
+
+SHIPPED_PREDICTORS = ROOT / "tests" / "data" / "predictors"  # stories260k's, recorded with the golden outputs
+CELL_TASK = {"wikitext": {"limit": 1, "window": 128}}
+
+
+def own_predictors(tmp_path, monkeypatch):
+    """A private copy of stories260k's predictors, named by KVQUANT_PREDICTOR_DIR (a test may overwrite it)."""
+    import shutil
+
+    folder = shutil.copytree(SHIPPED_PREDICTORS, tmp_path / "predictors")
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(folder))
+    return folder
+
+
+def table_of(out, cells, base, name: str, compute: bool = True) -> dict:
+    """``run_cells`` as a table run would (results_dir ``out``), by row label."""
+    with hydra_app():
+        results = run_cells(OmegaConf.create({"results_dir": str(out)}), cells, out / name, base=base, compute=compute)
+    return {r.cell.method: r for r in results}
+
+
+def test_a_recalibration_recomputes_the_aquakv_cells_and_reuses_the_rest(tmp_path, monkeypatch, stories):
+    from kvquant.fsutil import sha256_file
+    from kvquant.methods import get_method
+
+    own_predictors(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    base = [*RUN, f"results_dir={out}"]
+    cells, _ = grid({"fp16": {}, "aquakv": {}}, CELL_TASK)
+
+    first = table_of(out, cells, base, "t1")
+    assert {r.status for r in first.values()} == {"computed"}
+    old = json.loads(first["aquakv"].path.read_text())["method"]["files"]["predictors"]
+    assert old["sha256"] == sha256_file(old["path"])
+    again = table_of(out, cells, base, "t2")
+    assert {name: (r.status, r.path) for name, r in again.items()} == {
+        name: ("reused", r.path) for name, r in first.items()
+    }
+
+    model, tok = stories  # recalibrate: the same file name, another fit
+    get_method("aquakv").calibrate(model, tok, n_seqs=2, seq_len=64, seed=1, progress=False, log=None).save(old["path"])
+    third = table_of(out, cells, base, "t3")
+    assert (third["fp16"].status, third["fp16"].path) == ("reused", first["fp16"].path)
+    assert third["aquakv"].status == "computed" and third["aquakv"].path != first["aquakv"].path
+    new = json.loads(third["aquakv"].path.read_text())["method"]["files"]["predictors"]
+    assert new["path"] == old["path"] and new["sha256"] == sha256_file(old["path"]) != old["sha256"]
+    assert third["aquakv"].config_hash == first["aquakv"].config_hash  # the config did not change, the file did
+    fourth = table_of(out, cells, base, "t4")
+    assert fourth["aquakv"].status == "reused" and fourth["aquakv"].path == third["aquakv"].path
+
+
+def write_cell(out, cell, base, folder: str, **blocks) -> dict:
+    """A finished cell's results.json as run_cells writes it (config, hash, ``blocks``), without computing it."""
+    with hydra_app():
+        config = OmegaConf.to_container(cell_config(cell, base), resolve=True)
+    data = {"config": config, "config_hash": config_hash(config), "metrics": {"ppl": 5.0}, **blocks}
+    (out / folder).mkdir(parents=True)
+    (out / folder / "results.json").write_text(json.dumps(data))
+    return data
+
+
+def test_a_table_of_cells_from_two_commits_warns_in_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    base = [*RUN, f"results_dir={out}"]
+    cells, _ = grid({"fp16": {}, "truncation": {}}, CELL_TASK)
+    for cell, commit in zip(cells, ("a" * 40, "b" * 40 + "+dirty"), strict=True):
+        write_cell(out, cell, base, cell.slug, env={"git_commit": commit})
+    found = table_of(out, cells, base, "t", compute=False)
+    assert {r.status for r in found.values()} == {"reused"}
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: 2 cells of this table mix 2 code commits (aaaaaaa, bbbbbbb+dirty): the numbers may not be comparable"
+    ]
+
+    (out / "truncation_wikitext" / "results.json").write_text(
+        json.dumps(write_cell(out, cells[1], base, "again", env={"git_commit": "a" * 40}))
+    )
+    table_of(out, cells, base, "t2", compute=False)
+    assert "warning:" not in capsys.readouterr().err
+
+
+def test_an_aquakv_cell_resumes_only_with_the_digest_of_todays_file(tmp_path, monkeypatch, capsys):
+    """A cell that records the digest of the file a run would read now is reused (whatever its config hash
+    was written with); one that records none, or another digest, is not."""
+    from kvquant.fsutil import sha256_file
+
+    folder = own_predictors(tmp_path, monkeypatch)
+    [path] = folder.rglob("aquakv-kv-*.safetensors")
+    out = tmp_path / "out"
+    base = [*RUN, f"results_dir={out}"]
+    cells, _ = grid({"aquakv": {}}, CELL_TASK)
+    legacy = write_cell(out, cells[0], base, "legacy", method={"name": "aquakv"})
+    [found] = table_of(out, cells, base, "t1", compute=False).values()
+    assert found.status == "pending" and "legacy/results.json records no predictor digest" in capsys.readouterr().out
+
+    stale = {"predictors": {"path": str(path), "sha256": "0" * 64}}
+    write_cell(out, cells[0], base, "stale", method={"name": "aquakv", "files": stale})
+    assert table_of(out, cells, base, "t2", compute=False)["aquakv"].status == "pending"
+
+    today = {"predictors": {"path": "/elsewhere/" + path.parent.name + "/" + path.name, "sha256": sha256_file(path)}}
+    write_cell(out, cells[0], base, "today", method={"name": "aquakv", "files": today})
+    [found] = table_of(out, cells, base, "t3", compute=False).values()
+    assert found.status == "reused" and found.path == out / "today" / "results.json"
+    assert found.config_hash == legacy["config_hash"]

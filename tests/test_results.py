@@ -107,3 +107,62 @@ def test_env_records_the_commit_the_process_started_at(monkeypatch):
 @pytest.mark.parametrize("obj,flat", [({"a": {"b": 1, "c": {"d": 2}}}, {"a/b": 1, "a/c/d": 2}), ({}, {})])
 def test_flatten(obj, flat):
     assert results.flatten(obj) == flat
+
+
+def aquakv_result(sha: str | None, commit: str = "c" * 40, digest: str = "h1", folder: str = "m-1") -> dict:
+    """An AQUA-KV run's results.json: its config names a predictor file; ``sha``: the digest it recorded."""
+    files = {"predictors": {"path": f"/home/x/{folder}/aquakv-kv-b2.safetensors", "sha256": sha}} if sha else {}
+    return {
+        "config": {"method": {"name": "aquakv", "predictors": None}},
+        "config_hash": digest,
+        "method": {"name": "aquakv", **({"files": files} if files else {})},
+        "env": {"git_commit": commit},
+    }
+
+
+def test_identity_adds_the_digests_of_the_files_a_run_reads():
+    assert results.identity("h1") == results.identity("h1", {}) == "h1"  # runs that read no file keep their hash
+    one, other = results.identity("h1", {"predictors": "a" * 64}), results.identity("h1", {"predictors": "b" * 64})
+    assert len({one, other, "h1"}) == 3 and one == results.identity("h1", {"predictors": "a" * 64})
+    assert results.result_identity(aquakv_result("a" * 64)) == one
+    assert results.result_identity({"config": {"method": {"name": "fp16"}}, "config_hash": "h2"}) == "h2"
+
+
+def test_a_result_that_read_a_file_without_recording_it_is_unverifiable_and_never_found(tmp_path):
+    legacy, recorded = aquakv_result(None), aquakv_result("a" * 64, digest="h2")
+    assert results.unverifiable(legacy) == ["predictors"] and results.unverifiable(recorded) == []
+    assert results.result_identity(legacy) is None
+    results.write_results(tmp_path / "legacy", legacy)
+    results.write_results(tmp_path / "recorded", recorded)
+    assert results.find_results(tmp_path, "h1") is None
+    assert results.find_results(tmp_path, "h2") is None  # its identity holds the digest
+    found = results.find_results(tmp_path, results.identity("h2", {"predictors": "a" * 64}))
+    assert found == tmp_path / "recorded" / "results.json"
+
+
+def test_mix_warning_names_the_commits_and_the_digests_of_one_file():
+    assert results.mix_warning([aquakv_result("a" * 64), aquakv_result("a" * 64)]) is None
+    assert results.mix_warning([aquakv_result("a" * 64), aquakv_result("b" * 64, folder="m-2")]) is None  # two files
+    line = results.mix_warning([aquakv_result("a" * 64), aquakv_result("b" * 64, commit="d" * 40 + "+dirty")])
+    assert line == (
+        "warning: 2 results mix 2 code commits (ccccccc, ddddddd+dirty); 2 digests of m-1/aquakv-kv-b2.safetensors "
+        "(aaaaaaaaaaaa, bbbbbbbbbbbb): the numbers may not be comparable"
+    )
+
+
+def test_collect_cli_lists_unverifiable_results_and_warns_once(tmp_path, capsys):
+    results.write_results(tmp_path / "old", aquakv_result(None))
+    results.write_results(tmp_path / "new", aquakv_result("a" * 64, commit="d" * 40))
+    assert results._main([str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "unverifiable: 1 results" in out and f"  {tmp_path / 'old'} (predictors)" in out.splitlines()
+    assert str(tmp_path / "new") not in out.split("unverifiable:")[1]
+    warning = "warning: 2 results mix 2 code commits (ccccccc, ddddddd): the numbers may not be comparable"
+    assert err.splitlines() == [warning]
+
+
+def test_env_records_the_kernels_build_key_when_asked():
+    from kernels_cpu.loader import build_key
+
+    assert results.env_info("cpu", kernels=True)["kernels_cpu_build_key"] == build_key()
+    assert "kernels_cpu_build_key" not in results.env_info("cpu")

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import run_py
+from conftest import ROOT, run_py
 
 FAST = ["model=stories260k", "logger=none", "progress=false", "task.ppl_pieces=20", "task.max_new_tokens=8"]
 
@@ -129,3 +129,47 @@ def test_suite_task_writes_examples_fidelity_and_reuses_the_fp16_reference(tmp_p
 def test_missing_coqa_data_offline_is_one_line(tmp_path):
     proc = run_cli(tmp_path, "model=stories260k", "logger=none", "progress=false", "task=coqa")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: task coqa needs the hub")
+
+
+def test_an_aquakv_run_is_reused_until_its_predictors_are_recalibrated(tmp_path):
+    import shutil
+
+    from kvquant.fsutil import sha256_file
+
+    folder = shutil.copytree(ROOT / "tests" / "data" / "predictors", tmp_path / "predictors")
+    env = {"KVQUANT_PREDICTOR_DIR": str(folder), "OMP_NUM_THREADS": "1"}
+    plain = ["model=stories260k", "logger=none", "progress=false", "method=aquakv"]
+    args = [*plain, "task=wikitext", "task.limit=1", "task.window=128"]
+    first = run_cli(tmp_path, *args, **env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    [path] = results_files(tmp_path)
+    files = json.loads(path.read_text())["method"]["files"]["predictors"]
+    assert files["sha256"] == sha256_file(files["path"])
+    again = run_cli(tmp_path, *args, **env)
+    assert again.returncode == 0 and again.stdout.startswith(f"skip: results for this config already exist at {path}")
+
+    calibrate = ["experiment=calibrate", "experiment.n_seqs=2", "experiment.seq_len=64", "seed=1"]
+    recalibrated = run_cli(tmp_path, *plain, *calibrate, **env)
+    assert recalibrated.returncode == 0, recalibrated.stderr[-2000:]
+    assert sha256_file(files["path"]) != files["sha256"]  # the same file, refitted
+    after = run_cli(tmp_path, *args, **env)
+    assert after.returncode == 0 and "skip:" not in after.stdout, after.stderr[-2000:]
+    runs = [json.loads(p.read_text()) for p in results_files(tmp_path) if p != path]
+    [new] = [r for r in runs if r["config"]["experiment"]["runner"] == "evaluate"]
+    assert new["config_hash"] == json.loads(path.read_text())["config_hash"]
+    assert new["method"]["files"]["predictors"]["sha256"] == sha256_file(files["path"])
+
+
+def test_a_benchmark_is_measured_again_on_every_run_with_the_kernels_build_key(tmp_path):
+    from kernels_cpu.loader import build_key
+
+    args = ["model=stories260k", "logger=none", "progress=false", "experiment=bench_kv_methods"]
+    args += ["experiment.methods=[truncation]", "experiment.contexts=[64]", "experiment.new_tokens=3"]
+    args += ["experiment.repeats=1", "experiment.profile_steps=0", f"experiment.figures_dir={tmp_path / 'fig'}"]
+    for run in (1, 2):
+        proc = run_cli(tmp_path, *args, OMP_NUM_THREADS="1")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "skip:" not in proc.stdout and "bench_kv_methods measures time: never reused" in proc.stdout
+        assert len(results_files(tmp_path)) == run
+    for path in results_files(tmp_path):
+        assert json.loads(path.read_text())["env"]["kernels_cpu_build_key"] == build_key()
