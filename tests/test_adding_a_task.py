@@ -1,23 +1,19 @@
 """docs/adding_a_task.md is the one recipe for a new task, and it works exactly as written.
 
-As ``tests/test_adding_a_method.py`` does for methods (and with its page reader): the recipe's
-numbered steps name their file in the heading and give its whole content in the next code block.
-This test copies the repository to a temporary folder, writes there exactly those files, runs the
-page's ``run.py`` command, its test file and the shared task tests on the new task in the copy, and
-checks the recipe touches one module, one YAML and one test file — so the page cannot drift from
-the code or grow a fourth step.
+As for methods (``tests/test_adding_a_method.py``): the page's numbered steps name their file in the
+heading and give its whole content in the next code block. This test writes exactly those files into
+a copy of the repository (``recipes.follow``), runs there the page's ``run.py`` command, its test file
+and the shared task tests on the new task, and checks the recipe touches one module, one YAML and
+one test file — so the page cannot drift from the code or grow a fourth step.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
-import shutil
-import sys
 
 from conftest import ROOT
-from test_adding_a_method import COPIED, recipe, start
+from recipes import follow, recipe
 
 DOC = ROOT / "docs" / "adding_a_task.md"
 
@@ -36,38 +32,15 @@ def test_the_recipe_names_one_module_one_yaml_one_test():
 
 
 def test_a_toy_task_added_by_the_recipe_runs_end_to_end(tmp_path):
-    files, commands = recipe(DOC.read_text(encoding="utf-8"))
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in COPIED:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, repo / name)
-    for path, content in files.items():
-        (repo / path).write_text(content, encoding="utf-8")
-
-    run_line, test_line = commands
-    out = tmp_path / "out"
-    run_py = start([sys.executable, *shlex.split(run_line)[1:], f"results_dir={out}", "progress=false"], repo)
     # The recipe's test, and the shared task tests (its YAML, its bounds) on the new task.
-    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shlex.split(test_line)[1:]]
-    tests = start([*pytest, "tests/test_registry.py", "-k", "lastword"], repo)
-    try:
-        stdout, _ = tests.communicate(timeout=300)
-        _, stderr = run_py.communicate(timeout=300)
-    finally:
-        for proc in (tests, run_py):
-            if proc.poll() is None:
-                proc.kill()
+    done = follow(DOC, tmp_path, ["tests/test_registry.py", "-k", "lastword"])
 
-    assert tests.returncode == 0, stdout[-3000:]
-    passed = re.search(r"(\d+) passed", stdout)
-    assert passed and int(passed.group(1)) == 5, stdout[-1000:]  # the recipe's 3, and the 2 shared ones
+    assert done.tests_rc == 0, done.tests_out[-3000:]
+    passed = re.search(r"(\d+) passed", done.tests_out)
+    assert passed and int(passed.group(1)) == 5, done.tests_out[-1000:]  # the recipe's 3, and the 2 shared ones
 
-    assert run_py.returncode == 0, stderr[-3000:]
-    (results_path,) = out.rglob("results.json")
+    assert done.run_rc == 0, done.run_err[-3000:]
+    (results_path,) = done.results_dir.rglob("results.json")
     results = json.loads(results_path.read_text(encoding="utf-8"))
     config = results["config"]["task"]
     assert config == {"name": "lastword", "limit": 4, "chunk_size": 32, "batch_size": 8, "source": "bundled"}
