@@ -36,7 +36,8 @@ def parameter_files(cfg: DictConfig) -> dict[str, str]:
 
     method = get_method(cfg.method.name, **params_of(cfg.method)).on_backend("torch")
     cache = method.new_cache(meta_model(cfg.model.path or cfg.model.name, cfg.model.get("hub_id")))
-    return {name: str(record["sha256"]) for name, record in cache.parameter_files.items() if record.get("sha256")}
+    digests = {name: (cache.parameter_files.get(name) or {}).get("sha256") for name in FILE_PARAMS}
+    return {name: str(sha) for name, sha in digests.items() if sha and name in cfg.method}
 
 
 @functools.lru_cache(maxsize=4)

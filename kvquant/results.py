@@ -68,12 +68,14 @@ def unverifiable(data: dict[str, Any]) -> list[str]:
 
 
 def result_identity(data: dict[str, Any]) -> str | None:
-    """The identity of a written result (``identity`` of its hash and recorded files); None for an
-    unverifiable result or one without a hash, which no run reuses."""
+    """The identity of a written result (``identity`` of its hash and the recorded digests of the files
+    its config names); None for an unverifiable result or one without a hash, which no run reuses."""
     digest = data.get("config_hash")
     if not isinstance(digest, str) or unverifiable(data):
         return None
-    return identity(digest, recorded_files(data))
+    method = (data.get("config") or {}).get("method") or {}
+    named = {k: v for k, v in recorded_files(data).items() if k in FILE_PARAMS and k in method}
+    return identity(digest, named)
 
 
 def find_results(root: str | os.PathLike, ident: str) -> Path | None:

@@ -126,6 +126,8 @@ def test_identity_adds_the_digests_of_the_files_a_run_reads():
     assert len({one, other, "h1"}) == 3 and one == results.identity("h1", {"predictors": "a" * 64})
     assert results.result_identity(aquakv_result("a" * 64)) == one
     assert results.result_identity({"config": {"method": {"name": "fp16"}}, "config_hash": "h2"}) == "h2"
+    unnamed = {"config": {"method": {"name": "x"}}, "config_hash": "h3", "method": {"files": {"w": {"sha256": "a"}}}}
+    assert results.result_identity(unnamed) == "h3"  # only files its config names (FILE_PARAMS) are identity
 
 
 def test_a_result_that_read_a_file_without_recording_it_is_unverifiable_and_never_found(tmp_path):
