@@ -2,6 +2,9 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
+# pytest-xdist: one worker per usable CPU (tests/conftest.py gives each worker its share of the threads),
+# handed out in the order tests/conftest.py sets (the longest first; modules with costly fixtures kept whole).
+XDIST := -n auto
 
 .PHONY: setup test test-numerics lint bench figures clean
 
@@ -18,12 +21,12 @@ setup:
 
 test:
 	$(VENV)/bin/ruff check .
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=15
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(XDIST) --durations=15
 
 # The numerics-marked tests again on a second floating-point code path (MKL's conditional-numerical-
 # reproducibility mode, one thread): what another CPU or thread count would sum differently.
 test-numerics:
-	HF_HUB_OFFLINE=1 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q -m numerics
+	HF_HUB_OFFLINE=1 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m numerics
 
 lint:
 	$(VENV)/bin/ruff check .

@@ -15,6 +15,25 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, which a CI container or ``taskset`` narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def worker_threads() -> int | None:
+    """Under pytest-xdist, this worker's share of the cores (at least 1): ``make test`` runs 2 workers
+    on 2 cores, and a worker with 2 torch threads would only stall on the other's. None without xdist."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not workers.isdigit():
+        return None
+    return max(1, usable_cores() // int(workers))
+
+
+# Set before torch starts its thread pool, and inherited by run.py subprocesses; a value the user set stays.
+if worker_threads() is not None and not os.environ.get("OMP_NUM_THREADS", "").isdigit():
+    os.environ["OMP_NUM_THREADS"] = str(worker_threads())
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The 61 greedy ids of stories260K from "Once upon a time" (../shared/data/PROVENANCE.md; also
@@ -82,6 +101,91 @@ STORIES260K_REFERENCE_IDS = [
     333,
     415,
 ]
+
+
+def pytest_configure(config):
+    """A worker's torch threads set to its share explicitly, in case torch was imported before
+    ``OMP_NUM_THREADS`` was set above."""
+    if worker_threads() is not None:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per usable CPU (xdist's default counts physical cores, which a 2-vCPU
+    CI machine may report as 1)."""
+    return usable_cores()
+
+
+# The schedule ``make test`` hands tests out in (``-n auto``; see ``pytest_xdist_make_scheduler``). Tests
+# matching these patterns go first, in this order: the longest as measured with ``--durations`` (smollm2's
+# golden outputs and kernel checks take 30-120 s each; the two first need no AQUA-KV predictors, or
+# calibrate smollm2's, so the other worker is not left waiting on that calibration), so that the short
+# ones fill in around them and no worker is left with a long test at the end. The rest follow as collected.
+LONGEST_FIRST = (
+    "tests/test_aquakv_kernel.py::test_backend_cpu_is_as_close_to_fp16_as_the_torch_path_on_smollm2",
+    "tests/test_gear.py::test_gear2_beats_kivi2_on_real_kv",
+    "tests/test_golden.py::test_golden_outputs[alignedkv-smollm2_135m]",
+    "tests/test_golden.py::test_golden_outputs[alignedkv_release-smollm2_135m]",
+    "tests/test_golden.py::test_golden_outputs[higgs-smollm2_135m]",
+    "tests/test_golden.py::test_golden_outputs[aquakv_*-smollm2_135m]",
+    "tests/test_sweeps.py::*",
+    "tests/test_niah.py::*",
+    "tests/test_golden.py::test_golden_outputs[*-smollm2_135m]",
+    "tests/test_adding_a_method.py::test_a_toy_method_added_by_the_recipe_runs_end_to_end",
+    "tests/test_table_aquakv.py::*",
+    "tests/test_aquakv_kernel.py::test_kernel_matches_the_torch_path[2threads-1x*",
+    "tests/test_frontier_alignedkv.py::*",
+    "tests/test_figures.py::test_make_figures_from_committed_results",
+    "tests/test_table_tasks.py::*",
+    "tests/test_figures.py::test_missing_result_names_the_command",
+    "tests/test_alignedkv.py::test_smollm2_gqa_long_prompt",
+    "tests/test_fig_latency.py::*",
+    "tests/test_cells.py::*",
+    "tests/test_bench_kv_methods.py::*",
+    "tests/test_table_alignedkv.py::*",
+    "tests/test_golden.py::*",
+)
+# Modules whose module-scoped fixtures (a sweep, an experiment run) cost more than their tests: one
+# worker runs each of them whole, so the fixture is built once (a worker builds a module fixture once,
+# before the first of the module's tests it runs).
+WHOLE_MODULE = ("tests/test_sweeps.py", "tests/test_niah.py", "tests/test_conf_methods.py")
+
+
+def _schedule_rank(item) -> int:
+    """The index of the first ``LONGEST_FIRST`` pattern the test's node id matches (``*``: any text;
+    brackets are literal, as in parametrized ids)."""
+    import re
+
+    def matches(pattern: str) -> bool:
+        return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))), item.nodeid) is not None
+
+    return next((i for i, pattern in enumerate(LONGEST_FIRST) if matches(pattern)), len(LONGEST_FIRST))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests in the order ``LONGEST_FIRST`` sets (a stable sort: the rest keep the collection order)."""
+    items.sort(key=_schedule_rank)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n``'s default ``--dist load``, as this suite needs it: tests handed out in the collected order
+    (``LONGEST_FIRST`` first) one at a time to whichever worker is free, except that each
+    ``WHOLE_MODULE`` goes to one worker. (xdist's ``loadgroup`` would do this from ``xdist_group`` marks,
+    but it renames node ids, which pytest 9 no longer allows.) Other ``--dist`` modes are xdist's."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Schedule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in WHOLE_MODULE else nodeid
+
+    config.option.loadscopereorder = False  # keep the order above, not the biggest groups first
+    return Schedule(config, log)
 
 
 def load_script(name: str):
@@ -164,19 +268,33 @@ def require_kernels_cpu() -> None:
     pytest.fail(f"kernels_cpu did not build although a C++ compiler is present: {why}")
 
 
+def shared_tmp(tmp_path_factory, name: str) -> Path:
+    """A folder of this pytest run that every xdist worker sees (each worker's own basetemp is a
+    subfolder of the run's); without xdist, a fresh folder as ``mktemp`` makes."""
+    if worker_threads() is None:
+        return tmp_path_factory.mktemp(name)
+    folder = tmp_path_factory.getbasetemp().parent / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def predictor_root(tmp_path_factory):
     """A folder for AQUA-KV predictors; ``calibrated_for(model, tok)`` fills it once per model, with the
-    small seeded calibration the golden outputs were recorded with (name it by KVQUANT_PREDICTOR_DIR)."""
+    small seeded calibration the golden outputs were recorded with (name it by KVQUANT_PREDICTOR_DIR).
+    Shared by the xdist workers: the first to need a model's predictors calibrates them under a file
+    lock, the others wait and read them (one calibration per run, as without xdist)."""
+    from filelock import FileLock
     from golden import predictor_dir
 
-    root = tmp_path_factory.mktemp("predictors")
+    root = shared_tmp(tmp_path_factory, "predictors")
     done: set[str] = set()
 
     def calibrated_for(model, tok) -> Path:
         key = model.config.name_or_path
         if key not in done:
-            predictor_dir(model, tok, root)
+            with FileLock(str(root) + ".lock"):
+                predictor_dir(model, tok, root)
             done.add(key)
         return root
 
