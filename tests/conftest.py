@@ -112,6 +112,7 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist, nothing calls it
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per usable CPU (xdist's default counts physical cores, which a 2-vCPU
     CI machine may report as 1)."""
@@ -169,7 +170,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_schedule_rank)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``-n``'s default ``--dist load``, as this suite needs it: tests handed out in the collected order
     (``LONGEST_FIRST`` first) one at a time to whichever worker is free, except that each
