@@ -4,29 +4,22 @@ AQUA-KV), built once into the user cache.
 ``python -m kernels_cpu build`` compiles them (``make setup`` does); afterwards importing this
 package only loads the built library. Nothing here raises at import: ``status()`` returns
 ``(available, reason)`` and callers fall back to the torch path when it is False. The kernels are
-plain functions over the tensors a layer holds (``kernels_cpu.ops``); this package imports only
-torch (and platformdirs for the cache folder).
+plain functions over stored tensors (``kernels_cpu.ops``, ``kernels_cpu.coded``); ``kernels_cpu.backend``
+reads ``kvquant.formats`` states with them. Importing the package needs only torch (and platformdirs
+for the cache folder).
 """
 
 from __future__ import annotations
 
+from kernels_cpu.coded import aquakv_encode, aquakv_reconstruct, attend_aquakv, attend_higgs
 from kernels_cpu.loader import Status, build, build_dir, status
 from kernels_cpu.ops import (
-    aquakv_encode,
-    aquakv_reconstruct,
-    aquakv_tensors,
     attend_aligned,
-    attend_aquakv,
     attend_fp16,
     attend_gear,
-    attend_higgs,
     attend_kivi,
     attend_planes,
     exponent_gaps,
-    gear_tensors,
-    higgs_tensors,
-    kivi_tensors,
-    plane_tensors,
     read_plane_keys,
 )
 
@@ -34,21 +27,16 @@ __all__ = [
     "Status",
     "aquakv_encode",
     "aquakv_reconstruct",
-    "aquakv_tensors",
+    "attend_aligned",
     "attend_aquakv",
     "attend_fp16",
     "attend_gear",
     "attend_higgs",
     "attend_kivi",
-    "attend_aligned",
     "attend_planes",
-    "exponent_gaps",
     "build",
     "build_dir",
-    "gear_tensors",
-    "higgs_tensors",
-    "kivi_tensors",
-    "plane_tensors",
+    "exponent_gaps",
     "read_plane_keys",
     "status",
 ]

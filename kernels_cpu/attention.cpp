@@ -391,6 +391,55 @@ int64_t packed_bytes(int64_t n, int bits) {  // kvquant.quant.bitpack.packed_siz
 
 }  // namespace kvq
 
+namespace kvq {
+
+// What HIGGS and AQUA-KV attention share: how RoPE is re-applied to the coded keys (cos/sin tables, or
+// int32 positions with inv_freq), and the fp16 sinks and window around them.
+template <class Args>
+void set_rope(Args& a, const char* what, int64_t B, int64_t D, const Opt& cos, const Opt& sin, const Opt& positions,
+              const Opt& inv_freq, double rope_scale) {
+  if (cos.has_value()) {
+    for (const auto& [t, name] : {std::pair{&*cos, "cos"}, std::pair{&*sin, "sin"}})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == B && t->size(1) == a.nc &&
+                      t->size(2) == D && t->stride(2) == 1,
+                  what, ": ", name, " must be float32 [", B, ", ", a.nc, ", ", D,
+                  "] with a contiguous last dim, got ", t->scalar_type(), " ", t->sizes());
+    a.cos = cos->data_ptr<float>();
+    a.cb = cos->stride(0);
+    a.ct = cos->stride(1);
+    a.sin = sin->data_ptr<float>();
+    a.sb = sin->stride(0);
+    a.st = sin->stride(1);
+    return;
+  }
+  const at::Tensor& p = *positions;
+  TORCH_CHECK(p.scalar_type() == at::kInt && p.dim() == 2 && p.size(0) == B && p.size(1) == a.nc, what,
+              ": positions must be int32 [", B, ", ", a.nc, "], got ", p.scalar_type(), " ", p.sizes());
+  a.pos = p.data_ptr<int32_t>();
+  a.pb = p.stride(0);
+  a.pt = p.stride(1);
+  a.inv_freq = floats(*inv_freq, "inv_freq", {D / 2});
+  a.rope_scale = float(rope_scale);
+}
+
+template <class Args>
+void set_windows(Args& a, const char* what, int64_t B, int64_t Hkv, int64_t D, const Opt& k_sinks,
+                 const Opt& v_sinks, const at::Tensor& k_recent, const at::Tensor& v_recent) {
+  TORCH_CHECK(k_sinks.has_value() == v_sinks.has_value(), what, ": give key and value sinks, or neither");
+  if (k_sinks.has_value()) {
+    a.ns = k_sinks->size(2);
+    TORCH_CHECK(v_sinks->dim() == 4 && v_sinks->size(2) == a.ns, what, ": key and value sinks must hold the same tokens");
+    a.sink_k = half4(*k_sinks, "k_sinks", B, Hkv, D);
+    a.sink_v = half4(*v_sinks, "v_sinks", B, Hkv, D);
+  }
+  a.nr = k_recent.size(2);
+  TORCH_CHECK(v_recent.size(2) == a.nr, what, ": key and value windows must hold the same tokens");
+  a.recent_k = half4(k_recent, "k_recent", B, Hkv, D);
+  a.recent_v = half4(v_recent, "v_recent", B, Hkv, D);
+}
+
+}  // namespace kvq
+
 at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_scales, const Opt& v_codes,
                         const Opt& v_scales, const Opt& cos, const Opt& sin, const Opt& positions,
                         const Opt& inv_freq, double rope_scale, bool post_rope, int64_t rotated,
@@ -458,41 +507,9 @@ at::Tensor attend_higgs(const at::Tensor& q, const Opt& k_codes, const Opt& k_sc
     a.vs = half_ptr(*v_scales);
     a.vsb = v_scales->stride(0);
     a.vst = v_scales->stride(1);
-    if (tables) {
-      for (const auto& [t, name] : {std::pair{&*cos, "cos"}, std::pair{&*sin, "sin"}})
-        TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == B && t->size(1) == a.nc &&
-                        t->size(2) == D && t->stride(2) == 1,
-                    "higgs: ", name, " must be float32 [", B, ", ", a.nc, ", ", D,
-                    "] with a contiguous last dim, got ", t->scalar_type(), " ", t->sizes());
-      a.cos = cos->data_ptr<float>();
-      a.cb = cos->stride(0);
-      a.ct = cos->stride(1);
-      a.sin = sin->data_ptr<float>();
-      a.sb = sin->stride(0);
-      a.st = sin->stride(1);
-    } else if (!post_rope) {
-      const at::Tensor& p = *positions;
-      TORCH_CHECK(p.scalar_type() == at::kInt && p.dim() == 2 && p.size(0) == B && p.size(1) == a.nc,
-                  "higgs: positions must be int32 [", B, ", ", a.nc, "], got ", p.scalar_type(), " ", p.sizes());
-      a.pos = p.data_ptr<int32_t>();
-      a.pb = p.stride(0);
-      a.pt = p.stride(1);
-      a.inv_freq = floats(*inv_freq, "inv_freq", {D / 2});
-      a.rope_scale = float(rope_scale);
-    }
+    if (tables || !post_rope) set_rope(a, "higgs", B, D, cos, sin, positions, inv_freq, rope_scale);
   }
-  TORCH_CHECK(k_sinks.has_value() == v_sinks.has_value(), "higgs: give key and value sinks, or neither");
-  if (k_sinks.has_value()) {
-    a.ns = k_sinks->size(2);
-    TORCH_CHECK(v_sinks->dim() == 4 && v_sinks->size(2) == a.ns,
-                "higgs: key and value sinks must hold the same tokens");
-    a.sink_k = half4(*k_sinks, "k_sinks", B, Hkv, D);
-    a.sink_v = half4(*v_sinks, "v_sinks", B, Hkv, D);
-  }
-  a.nr = k_recent.size(2);
-  TORCH_CHECK(v_recent.size(2) == a.nr, "higgs: key and value windows must hold the same tokens");
-  a.recent_k = half4(k_recent, "k_recent", B, Hkv, D);
-  a.recent_v = half4(v_recent, "v_recent", B, Hkv, D);
+  set_windows(a, "higgs", B, Hkv, D, k_sinks, v_sinks, k_recent, v_recent);
   Problem P = problem(q, Hkv, a.ns + a.nc + a.nr, mask, causal, scaling);
   return higgs_attention(a, P);
 }
@@ -682,41 +699,9 @@ at::Tensor attend_aquakv(const at::Tensor& q, const Opt& k_rows, const Opt& v_ro
     a.v = v_rows->data_ptr<float>();
     a.vb = v_rows->stride(0);
     a.vt = v_rows->stride(1);
-    if (tables) {
-      for (const auto& [t, name] : {std::pair{&*cos, "cos"}, std::pair{&*sin, "sin"}})
-        TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == B && t->size(1) == a.nc &&
-                        t->size(2) == D && t->stride(2) == 1,
-                    "aquakv: ", name, " must be float32 [", B, ", ", a.nc, ", ", D,
-                    "] with a contiguous last dim, got ", t->scalar_type(), " ", t->sizes());
-      a.cos = cos->data_ptr<float>();
-      a.cb = cos->stride(0);
-      a.ct = cos->stride(1);
-      a.sin = sin->data_ptr<float>();
-      a.sb = sin->stride(0);
-      a.st = sin->stride(1);
-    } else {
-      const at::Tensor& p = *positions;
-      TORCH_CHECK(p.scalar_type() == at::kInt && p.dim() == 2 && p.size(0) == B && p.size(1) == a.nc,
-                  "aquakv: positions must be int32 [", B, ", ", a.nc, "], got ", p.scalar_type(), " ", p.sizes());
-      a.pos = p.data_ptr<int32_t>();
-      a.pb = p.stride(0);
-      a.pt = p.stride(1);
-      a.inv_freq = floats(*inv_freq, "inv_freq", {D / 2});
-      a.rope_scale = float(rope_scale);
-    }
+    set_rope(a, "aquakv", B, D, cos, sin, positions, inv_freq, rope_scale);
   }
-  TORCH_CHECK(k_sinks.has_value() == v_sinks.has_value(), "aquakv: give key and value sinks, or neither");
-  if (k_sinks.has_value()) {
-    a.ns = k_sinks->size(2);
-    TORCH_CHECK(v_sinks->dim() == 4 && v_sinks->size(2) == a.ns,
-                "aquakv: key and value sinks must hold the same tokens");
-    a.sink_k = half4(*k_sinks, "k_sinks", B, Hkv, D);
-    a.sink_v = half4(*v_sinks, "v_sinks", B, Hkv, D);
-  }
-  a.nr = k_recent.size(2);
-  TORCH_CHECK(v_recent.size(2) == a.nr, "aquakv: key and value windows must hold the same tokens");
-  a.recent_k = half4(k_recent, "k_recent", B, Hkv, D);
-  a.recent_v = half4(v_recent, "v_recent", B, Hkv, D);
+  set_windows(a, "aquakv", B, Hkv, D, k_sinks, v_sinks, k_recent, v_recent);
   Problem P = problem(q, Hkv, a.ns + a.nc + a.nr, mask, causal, scaling);
   return aquakv_attention(a, P);
 }

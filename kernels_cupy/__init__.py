@@ -2,9 +2,9 @@
 
 Importing this package needs only torch and numpy; cupy is imported when a kernel is first
 launched. ``kernels_cupy.backend`` registers the package with ``kvquant.backends`` (which resolves
-``method.backend``); the kernels are in ``kernels_cupy.ops`` (``append``, ``qk``, ``value_exponents``, ``sv``,
-``aligned_attention``, ``attend``), ``plane_store`` gives a layer its store (``KernelPlaneStore``
-appends with the pack kernel), and their oracle is ``kernels_cupy.reference``.
+``method.backend``) and implements its ``attend`` protocol; the kernels are in ``kernels_cupy.ops``
+(``append``, ``qk``, ``value_exponents``, ``sv``, ``aligned_attention``), ``KernelPlaneStore`` is the
+plane store whose appends run the pack kernel, and their oracle is ``kernels_cupy.reference``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ __all__ = [
     "KernelPlaneStore",
     "aligned_attention",
     "append",
-    "attend",
     "cupy_status",
-    "plane_store",
     "qk",
     "sv",
 ]
@@ -29,13 +27,11 @@ __all__ = [
 _LAZY = {
     "aligned_attention": "kernels_cupy.ops",
     "append": "kernels_cupy.ops",
-    "attend": "kernels_cupy.ops",
     "qk": "kernels_cupy.ops",
     "softmax_scores": "kernels_cupy.ops",
     "sv": "kernels_cupy.ops",
     "value_exponents": "kernels_cupy.ops",
     "KernelPlaneStore": "kernels_cupy.store",
-    "plane_store": "kernels_cupy.store",
 }
 
 

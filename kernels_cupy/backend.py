@@ -1,8 +1,47 @@
-"""Registers the CuPy kernels with kvquant's backend seam (imported by ``kvquant.backends`` on demand)."""
+"""The CuPy kernels as a kvquant backend for bit planes (imported by ``kvquant.backends`` on demand).
+
+``attend(state, rule, query, mask, scaling)`` runs AlignedKV's step on the GPU (``kernels_cupy.ops``)
+over a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``; ``STATES`` gives layers the plane
+store whose appends run the pack kernel.
+"""
 
 from __future__ import annotations
 
-from kernels_cupy.loader import cupy_status
-from kvquant.backends import Backend, register_backend
+from typing import Any
 
-register_backend(Backend("cupy", "cuda", frozenset({"planes"}), cupy_status, "kernels_cupy"))
+import torch
+
+from kernels_cupy.loader import cupy_status
+from kernels_cupy.store import KernelPlaneStore
+from kvquant.backends import Backend, register_backend
+from kvquant.formats.base import Reads, causal_allowed
+
+STATES = {"planes": KernelPlaneStore}
+
+
+def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
+    """What of a model or rule these kernels lack: logit soft-capping, sliding windows, value widths per
+    block (``v_block`` > 1)."""
+    missing = []
+    if geometry.softcap is not None:
+        missing.append(f"attention-logit soft-capping ({geometry.softcap})")
+    if geometry.sliding_window is not None:
+        missing.append(f"sliding-window layers ({geometry.sliding_window})")
+    if rule is not None and rule.v_block > 1:
+        missing.append(f"value widths per block (v_block={rule.v_block})")
+    return missing
+
+
+def attend(store: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:
+    """The backend protocol: K widths, QKᵀ, softmax, V widths and SV on the GPU; a multi-token step
+    without a mask is causal, spelled out for the kernels."""
+    from kernels_cupy.ops import aligned_attention
+
+    if mask is None and query.shape[2] > 1:
+        mask = causal_allowed(query.shape[2], store.n_tokens, query.device)
+    k_tiers, v_tiers = rule.k_tiers(query.shape[-1]), rule.v_tiers(store.n_tokens)
+    out, wk, wv = aligned_attention(store, query, mask, scaling, k_tiers, v_tiers, rule.topk, rule.blockwise)
+    return out.to(query.dtype), Reads(wk, wv)
+
+
+register_backend(Backend("cupy", "cuda", frozenset({"planes"}), cupy_status, "kernels_cupy.backend", limits))

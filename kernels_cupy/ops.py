@@ -1,8 +1,8 @@
-"""The kernels behind the CPU reference's interface (``kvquant.alignment``, ``AlignedLayer.aligned_read``).
+"""The kernels behind the torch reference's interface (``kvquant.alignment``, ``kvquant.formats.planes``).
 
 Every function takes a ``PlaneStore`` whose tensors live on a CUDA device and works on them in
 place: nothing is copied to the host or converted, and K/V are never materialised at full width.
-Thresholds are the ``(t12, t8)`` binade gaps after any margin (``AlignedKVMethod.thresholds_for``).
+Thresholds are the ``(t12, t8)`` binade gaps after any margin (``AlignedRule.k_tiers``/``v_tiers``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kernels_cupy.loader import i32, launch, ptr, shared_memory_budget, sm_count
 from kvquant.errors import InvalidParameterError, KvquantError
 
 if TYPE_CHECKING:
-    from kvquant.alignment import PlaneStore
+    from kvquant.formats.planes import PlaneStore
 
 BLOCK = 64
 THREADS = 256
@@ -355,7 +355,7 @@ def aligned_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One AlignedKV attention step on the GPU: ``(out [b, hq, q_len, d] fp32, wk, wv)``.
 
-    The chain of ``AlignedLayer.aligned_read`` + attention: K widths, QKᵀ over what they read,
+    The chain of ``kvquant.formats.planes.aligned_read`` + attention: K widths, QKᵀ over what they read,
     fp32 softmax, V widths from plane A and the scores, SV. ``blockwise`` is AlignedKV+ (used when
     the store has block exponents); ``full`` is the 16-bit control (same kernels, every plane, no
     rule; ``wk``/``wv`` are ``None``).
@@ -366,16 +366,3 @@ def aligned_attention(
     e_o = None if full else value_exponents(store, scores, topk)
     out, wv, _ = sv(store, scores, e_o, v_thresholds, full)
     return out, wk, wv
-
-
-def attend(method, store: PlaneStore, query: torch.Tensor, attention_mask, scaling: float) -> tuple[torch.Tensor, ...]:
-    """``AlignedLayer.attend`` on the kernels: ``(output [b, q_len, hq, d] in the query's dtype, wk, wv)``.
-
-    ``method`` is an ``AlignedKVMethod`` (thresholds, margins, topk, blockwise are read from it).
-    """
-    k_thresholds = method.thresholds_for(method.k_thresholds, query.shape[-1])
-    v_thresholds = method.thresholds_for(method.v_thresholds, store.n_tokens)
-    out, wk, wv = aligned_attention(
-        store, query, attention_mask, scaling, k_thresholds, v_thresholds, method.topk, method.blockwise
-    )
-    return out.to(query.dtype).transpose(1, 2).contiguous(), wk, wv

@@ -1,4 +1,4 @@
-"""The oracle the kernels are checked against: ``AlignedLayer.aligned_read``'s chain in torch.
+"""The oracle the kernels are checked against: ``kvquant.formats.planes.aligned_read``'s chain in torch.
 
 It calls the same rule and read functions as the method (``kvquant.alignment``, torch only, no
 transformers) and then attends in fp64 over what was read, so a kernel's deviation is its own
@@ -17,7 +17,7 @@ from kernels_cupy.ops import softmax_scores
 from kvquant.alignment import pairwise_sum
 
 if TYPE_CHECKING:
-    from kvquant.alignment import PlaneStore
+    from kvquant.formats.planes import PlaneStore
 
 
 def estimated_output(scores: torch.Tensor, v_high: torch.Tensor, topk: int = 32) -> torch.Tensor:

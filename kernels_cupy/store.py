@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels_cupy.ops import append
-from kvquant.alignment import PlaneStore
+from kvquant.formats.planes import PlaneStore
 
 
 class KernelPlaneStore(PlaneStore):
@@ -13,9 +13,3 @@ class KernelPlaneStore(PlaneStore):
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         append(self, k, v)
-
-
-def plane_store(backend: str | None, block_exponents: bool) -> PlaneStore:
-    """The store for a layer: ``KernelPlaneStore`` when the resolved backend is ``cupy``, else ``PlaneStore``."""
-    cls = KernelPlaneStore if backend == "cupy" else PlaneStore
-    return cls(block_exponents=block_exponents)

@@ -1,10 +1,14 @@
 """The attention function that lets a cache layer decide what it reads, without forking modeling files.
 
 transformers looks attention up by name (``AttentionInterface``). We register ``kvquant`` (masks as
-SDPA takes them) and ``kvquant_eager`` (additive masks, as eager takes them): when the key it
-receives carries a reader (a cache layer that stores planes and needs the query to decide widths),
-the reader computes attention; any other key goes to the attention the model ran before it was
-routed (``stock_attention``), so fp16 and every other method run bit-identically under it.
+SDPA takes them) and ``kvquant_eager`` (additive masks, as eager takes them). The route from a layer
+to attention is explicit: a layer that reads inside attention (a kernel backend, or AlignedKV whose
+widths need the query) returns from ``update`` the placeholder K/V of ``expect_attention`` — NaN,
+zero-stride, costing no memory — and is registered as the reader of that key object. transformers
+hands the key straight to the attention function, which takes the reader registered for it
+(``take_reader``) and calls its ``attend``. Nothing rides on the tensor; an unregistered key (a
+method that hands real K/V, or a model not routed) goes to the attention the model ran before it
+was routed (``stock_attention``), so fp16 and every other method run bit-identically under it.
 
 Which variant a model gets: ``kvquant_eager`` when it ran eager attention (Gemma-2's default) or
 soft-caps its attention logits (SDPA cannot), else ``kvquant``. Readers hand what they read to
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,14 +30,45 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from kvquant.backends import select_backend
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
+from kvquant.formats.base import causal_allowed
 
 NAME = "kvquant"
 EAGER_NAME = "kvquant_eager"
-READER_ATTR = "_kvquant_reader"
-_WARNED: set[str] = set()
+_ROUTE = threading.local()  # per thread: id(placeholder key) -> (weak ref to it, reader)
+
+
+def _readers() -> dict[int, tuple[weakref.ref, Any]]:
+    if not hasattr(_ROUTE, "readers"):
+        _ROUTE.readers = {}
+    return _ROUTE.readers
+
+
+def expect_attention(reader: Any, shape: tuple[int, ...], dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """Placeholder ``(keys, values)`` of ``shape`` for ``update`` to return, with ``reader`` registered as
+    what attention over that key reads (``reader.attend(module, query, mask, **kwargs)``). The entry
+    goes when attention takes it or when the placeholder is freed unused."""
+    key = torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+    value = torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+    readers, ident = _readers(), id(key)
+
+    def gone(ref: weakref.ref) -> None:
+        entry = readers.get(ident)
+        if entry is not None and entry[0] is ref:
+            del readers[ident]
+
+    readers[ident] = (weakref.ref(key, gone), reader)
+    return key, value
+
+
+def take_reader(key: torch.Tensor) -> Any:
+    """The reader ``expect_attention`` registered for this very key object (once), or None."""
+    entry = _readers().get(id(key))
+    if entry is None or entry[0]() is not key:
+        return None
+    del _readers()[id(key)]
+    return entry[1]
 
 
 _CAPTURE: list[list[dict]] = []
@@ -43,7 +80,7 @@ def kvquant_attention(module, query, key, value, attention_mask, **kwargs):
         _CAPTURE[-1].append(
             {"query": query.clone(), "key": key.clone(), "value": value.clone(), "scaling": kwargs.get("scaling")}
         )
-    reader = getattr(key, READER_ATTR, None)
+    reader = take_reader(key)
     if reader is None:
         return stock_attention(module, query, key, value, attention_mask, **kwargs)
     return reader.attend(module, query, attention_mask, **kwargs)
@@ -80,12 +117,6 @@ def eager_attention(module, query, key, value, attention_mask, **kwargs) -> tupl
     return _generic_eager(module, query, key, value, attention_mask, **kwargs)
 
 
-def causal_allowed(q_len: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[q_len, n]`` booleans (True = attend) of a causal step whose queries are the last ``q_len`` of
-    ``n`` keys: what a forward without a mask means (transformers skips SDPA's mask for plain causal)."""
-    return torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)
-
-
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True = attend) as eager attention adds it: 0 or the dtype's minimum."""
     return torch.where(allowed, torch.tensor(0.0, dtype=dtype), torch.finfo(dtype).min).to(allowed.device)
@@ -106,13 +137,6 @@ def _generic_eager(module, query, key, value, attention_mask, scaling=None, soft
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def tagged_placeholder(reader: object, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """A key stand-in that costs no memory and carries ``reader``; NaN so that misuse is loud."""
-    t = torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
-    setattr(t, READER_ATTR, reader)
-    return t
-
-
 @contextlib.contextmanager
 def capture_attention_inputs(model) -> Iterator[list[dict]]:
     """Record ``query``/``key``/``value``/``scaling`` of every attention call inside the block; the
@@ -126,6 +150,12 @@ def capture_attention_inputs(model) -> Iterator[list[dict]]:
     finally:
         _CAPTURE.remove(calls)
         restore_attention(model, previous)
+
+
+def routable(model: Any) -> bool:
+    """Whether ``model``'s attention can be routed (it goes through transformers' ``AttentionInterface``)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(model, "_supports_attention_backend", False)) and hasattr(config, "_attn_implementation")
 
 
 def route_attention(model, name: str = NAME) -> None:
@@ -152,30 +182,3 @@ def restore_attention(model, previous: str | None) -> None:
     """Put back the attention implementation ``model`` had before ``route_attention``."""
     if previous is not None and model.config._attn_implementation != previous:
         model.set_attn_implementation(previous)
-
-
-def kernel_backend(requested: str, resolved: str, unsupported: str | None) -> str:
-    """``resolved`` unless its kernels cannot compute this model's attention (``unsupported`` says
-    why): then ``torch`` for ``backend=auto`` (one warning line), one line of error for an explicit one."""
-    if resolved == "torch" or unsupported is None:
-        return resolved
-    if requested != "auto":
-        raise InvalidParameterError(f"backend={requested} cannot run this model: {unsupported}; use backend=torch")
-    line = f"warning: backend=auto uses torch: the {resolved} kernels cannot run this model ({unsupported})"
-    if line not in _WARNED:
-        _WARNED.add(line)
-        print(line, file=sys.stderr, flush=True)
-    return "torch"
-
-
-def resolve_kernels(model, requested: str, fmt: str, missing: list[str]) -> str:
-    """The backend a cache of format ``fmt`` reads with on ``model``: ``select_backend``'s choice, unless
-    its kernels lack what the model needs (``missing``, e.g. ``["sliding-window layers (4096)"]``) —
-    then ``kernel_backend`` decides — and the model's attention routed to the kernels when they run."""
-    resolved = select_backend(requested, getattr(model, "device", None), fmt)
-    backend = kernel_backend(
-        requested, resolved, f"the {fmt} kernels have no {' or '.join(missing)}" if missing else None
-    )
-    if backend != "torch":
-        route_attention(model, NAME)
-    return backend

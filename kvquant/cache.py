@@ -8,14 +8,16 @@ Bytes are measured from the tensors a layer actually holds, never from a formula
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvquant.backends import TORCH, Backend
 from kvquant.errors import KvquantError
+from kvquant.formats.base import nbytes
 
 
 @dataclass
@@ -174,27 +176,6 @@ def to_fp16_checked(x: torch.Tensor, layer_idx: int | None, what: str) -> torch.
     return x.to(torch.float16)
 
 
-def whole_bit_widths(n_compressed: int, compressed_bits: int, n_fp16: int) -> dict[int, int]:
-    """Element counts per whole-bit width whose total is exactly ``compressed_bits + 16·n_fp16``.
-
-    For methods whose compressed part costs a fractional width (codes plus scales): the elements are
-    split between ⌊w⌋ and ⌈w⌉ so that totals and means stay exact.
-    """
-    widths: Counter = Counter()
-    if n_compressed:
-        low, extra = divmod(compressed_bits, n_compressed)
-        widths[low] += n_compressed - extra
-        if extra:
-            widths[low + 1] += extra
-    if n_fp16:
-        widths[16] += n_fp16
-    return dict(widths)
-
-
-def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 class CropError(KvquantError):
     """A cache asked to forget tokens it cannot take back (codes are never rewritten)."""
 
@@ -202,20 +183,60 @@ class CropError(KvquantError):
 class KVLayer(DynamicLayer):
     """One layer's store: the small contract every method's layer keeps.
 
+    ``crop`` (assisted decoding, prompt lookup) works as far as ``forget_newest`` can take tokens back.
+
     A subclass implements ``update`` and says what it holds twice over: ``stored_k``/``stored_v``
     (every tensor, for bytes) and ``map_tensors`` (every tensor with a leading batch axis, replaced
     by ``fn(tensor)``). From that one map come ``reorder_cache`` (beam search),
     ``batch_select_indices``, ``batch_repeat_interleave`` (``num_return_sequences``), ``offload``
-    and ``prefetch``, for every method alike. ``crop`` works where a layer overrides it; elsewhere
-    it is one clear line.
+    and ``prefetch``, for every method alike.
+
+    Reading: a layer holds its K/V in a ``kvquant.formats`` state and reads it with the ``backend`` its
+    cache resolved (``kvquant.backends``) by the ``rule`` its method gave. Where the backend reads inside
+    attention, ``update`` returns ``expect_attention``'s placeholders and ``attend`` (called by
+    ``kvquant.attention``) runs ``backend.attend(attended_state(), rule, …)``; ``record`` takes what
+    that read chose.
     """
 
-    def __init__(self, layer_idx: int | None = None, window: int | None = None) -> None:
+    def __init__(
+        self, layer_idx: int | None = None, window: int | None = None, backend: Backend = TORCH, rule: Any = None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.window, self.is_sliding = window, window is not None  # ``KVGeometry.window(layer_idx)``
+        self.backend, self.rule = backend, rule
         self.seen = 0  # tokens received so far; a sliding layer holds fewer
         self._reads = CacheCounts()
+        self._attend_len = 0  # keys this step's attention reads (the placeholders' length)
+
+    def reads_in_attention(self, state: Any) -> bool:
+        """Whether ``update`` hands attention placeholders (kernels, or a read that needs the query)
+        rather than the K/V the torch reference reads."""
+        return not self.backend.materializes or state.reads_by_query
+
+    def expect_attention(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+        """``update``'s return when attention reads: placeholders that route attention to ``attend``."""
+        from kvquant.attention import expect_attention
+
+        self._attend_len = shape[-2]
+        return expect_attention(self, shape, dtype, device)
+
+    def attended_state(self) -> Any:
+        """The state this step's attention reads (a subclass's ``state``)."""
+        return self.state
+
+    def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
+        """Attention over ``attended_state()`` by the backend (called by ``kvquant.attention``); returns
+        ``([B, q_len, Hq, D], None)`` as transformers' attention functions do."""
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        mask = attention_mask[..., : self._attend_len] if attention_mask is not None else None
+        out, reads = self.backend.attend(self.attended_state(), self.rule, query, mask, scaling)
+        self.record(reads)
+        return out.transpose(1, 2).contiguous(), None
+
+    def record(self, reads: Any) -> None:
+        """Count what a rule chose to read (``kvquant.formats.Reads``); layers that read everything they
+        hold count it in ``update`` instead."""
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -271,10 +292,28 @@ class KVLayer(DynamicLayer):
             self.map_tensors(lambda t: t.to(self.device, non_blocking=True))
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove and self.is_initialized:
+        """Forget the newest tokens (assisted decoding rejects a draft): ``-n`` removes ``n``; a positive
+        value is the length to keep (transformers' legacy ``crop(max_length)``). What a layer can take
+        back, ``forget_newest`` says; beyond it, one ``CropError`` line."""
+        if not self.is_initialized:
+            return
+        keep = tokens_to_remove if tokens_to_remove > 0 else self.seen + tokens_to_remove
+        n = self.seen - max(0, keep)
+        if n > 0:
+            self.forget_newest(n)
+            self.seen -= n
+
+    def forget_newest(self, n: int) -> None:
+        """Drop the newest ``n`` tokens from what the layer holds, where they are still held as received
+        (a subclass's rule); ``CropError`` otherwise. ``seen`` is ``crop``'s to lower."""
+        raise CropError(f"{type(self).__name__}: this cache cannot be cropped; use a fresh cache")
+
+    def refuse_crop(self, n: int, held: int, where: str) -> None:
+        """One ``CropError`` line when ``n`` tokens to forget exceed the ``held`` newest ones kept ``where``."""
+        if n > held:
             raise CropError(
-                f"{type(self).__name__}: this cache cannot be cropped (compressed tokens are never rewritten); "
-                "use a fresh cache instead of assisted decoding or prefix reuse"
+                f"layer {self.layer_idx}: cannot forget the newest {n} tokens, only {held} are still held {where} "
+                "(older ones are compressed and never rewritten); use a fresh cache"
             )
 
     def count_read(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvquant.attention import READER_ATTR, causal_allowed, route_attention, stock_attention, tagged_placeholder
+from kvquant.attention import causal_allowed, expect_attention, route_attention, stock_attention, take_reader
 from kvquant.cache import CacheCounts
 from kvquant.errors import KvquantError
 
@@ -63,10 +63,7 @@ class PerRowLayer(DynamicLayer):
             self._pending.append((b, start, stop, rk, rv))
         self.seen += n
         shape = (key_states.shape[0], key_states.shape[1], self.seen, key_states.shape[-1])
-        return (
-            tagged_placeholder(self, shape, key_states.dtype, key_states.device),
-            tagged_placeholder(self, shape, value_states.dtype, value_states.device),
-        )
+        return expect_attention(self, shape, key_states.dtype, key_states.device)
 
     def attend(self, module, query: torch.Tensor, attention_mask, **kwargs):
         """Each row's queries against what its own cache returned (its reader's kernel where it has one)."""
@@ -74,7 +71,7 @@ class PerRowLayer(DynamicLayer):
         for b, start, stop, rk, rv in self._pending:
             q = query[b : b + 1, :, start:stop]
             mask = row_mask(attention_mask, b, start, stop, self.owner.columns[b][-rk.shape[-2] :])
-            reader = getattr(rk, READER_ATTR, None)
+            reader = take_reader(rk)
             if reader is not None:
                 o = reader.attend(module, q, mask, **kwargs)[0]
             else:

@@ -109,7 +109,7 @@ def score_bytes(batch: int, hq: int, n: int, rule: bool) -> int:
 
 def bench_one(shape: str, batch: int, context: int, repeats: int, copy_bw: float) -> dict:
     from kernels_cupy.ops import aligned_attention, append
-    from kvquant.alignment import PlaneStore
+    from kvquant.formats.planes import PlaneStore
 
     hq, hkv, d = SHAPES[shape]
     k, v, q = make_kv(batch, hq, hkv, d, context)

@@ -24,7 +24,7 @@ cache is written before each call, as when a model's other layers ran in between
 With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on a ``PlaneStore``):
 
 - ``fp16``: fused fp16 on the same K/V (ms); ``u8``/``u12``/``u16``: every element read at that width;
-- ``vb1``: the paper's widths, as ``AlignedLayer.decide_widths`` (the torch rules) chooses them for
+- ``vb1``: the paper's widths, as ``kvquant.formats.planes.decide_widths`` (the torch rules) chooses them for
   the store and the query; ``vb8``/``vb16``/``vb64``: the same with value widths per block of that
   many tokens (``v_block``). Each gives ``bits`` (mean bits read per K/V element, the fp16 tail at 16;
   the rule's metadata not counted), ``x`` (``attend_planes`` at those widths: time / fused fp16), ``st``
@@ -64,7 +64,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import kernels_cpu  # noqa: E402
-from kvquant.methods.alignedkv import V8_MAGNITUDES  # noqa: E402
+from kernels_cpu.backend import plane_keys, v8_magnitudes  # noqa: E402
+from kvquant.formats.planes import AlignedRule, decide_widths  # noqa: E402
 
 SHAPES = {"9q/3kv x 64": (9, 3, 64), "32q/32kv x 128": (32, 32, 128), "32q/8kv x 128": (32, 8, 128)}
 DEFAULT_SHAPES = "9q/3kv x 64,32q/32kv x 128"
@@ -184,7 +185,7 @@ SPREAD = 2.5  # standard deviation of the non-sink attention logits
 
 def planes_inputs(hq: int, hkv: int, d: int, length: int):
     """``(q, k, v, store)``: the synthetic K/V (module docstring) in fp16 and as planes, and a query."""
-    from kvquant.alignment import PlaneStore
+    from kvquant.formats.planes import PlaneStore
 
     scale = 2.0 ** (torch.rand(d) * 4 - 2)
     scale[:4] *= 8
@@ -200,15 +201,11 @@ def planes_inputs(hq: int, hkv: int, d: int, length: int):
     return q, k.half(), v.half(), store
 
 
-def rule_widths(q: torch.Tensor, store, hq: int, hkv: int, d: int, v_block: int):
-    """The rules' widths for one decode step, as ``AlignedLayer.decide_widths`` takes them on the cpu backend."""
-    from kvquant.cache import KVGeometry
-    from kvquant.methods import get_method
-
-    geometry = KVGeometry(n_layers=1, n_heads=hq, n_kv_heads=hkv, head_dim=d)
-    layer = get_method("alignedkv", v_block=v_block).new_layer(0, geometry, backend="cpu")
-    layer.store, layer.visible = store, store.n_tokens
-    _, wk, wv = layer.decide_widths(q, None, d**-0.5)
+def rule_widths(q: torch.Tensor, store, v_block: int):
+    """The rules' widths for one decode step, as the cpu backend's unfused path decides them
+    (``kvquant.formats.planes.decide_widths`` with the keys and exponent gaps read in C++)."""
+    store.visible = store.n_tokens
+    _, wk, wv = decide_widths(store, AlignedRule(v_block=v_block), q, None, q.shape[-1] ** -0.5, plane_keys)
     return wk, wv
 
 
@@ -240,17 +237,16 @@ def interleaved_ms(fns: dict, repeats: int, flush: torch.Tensor | None) -> dict:
 def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torch.Tensor | None) -> str:
     """The ``--planes`` table's columns after shape and context."""
     q, k, v, store = planes_inputs(hq, hkv, d, length)
-    args = kernels_cpu.plane_tensors(store)
     fns = {"fp16": lambda: kernels_cpu.attend_fp16(q, k, v)}
     for w in (8, 12, 16):
-        fns[f"u{w}"] = lambda w=w: kernels_cpu.attend_planes(q, **args, k_widths=w, v_widths=w)
+        fns[f"u{w}"] = lambda w=w: kernels_cpu.attend_planes(q, store, k_widths=w, v_widths=w)
     bits = {}
     for v_block in V_BLOCKS:
-        wk, wv = rule_widths(q, store, hq, hkv, d, v_block)
+        wk, wv = rule_widths(q, store, v_block)
         bits[v_block] = bits_read(store, wk, wv)
-        fns[f"vb{v_block}"] = lambda wk=wk, wv=wv: kernels_cpu.attend_planes(q, **args, k_widths=wk, v_widths=wv)
+        fns[f"vb{v_block}"] = lambda wk=wk, wv=wv: kernels_cpu.attend_planes(q, store, k_widths=wk, v_widths=wv)
         fns[f"st{v_block}"] = lambda wk=wk, v_block=v_block: kernels_cpu.attend_aligned(
-            q, **args, k_widths=wk, v8=V8_MAGNITUDES, v_thresholds=(4, 8), topk=32, v_block=v_block
+            q, store, k_widths=wk, v8=v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=v_block
         )
     t = interleaved_ms(fns, repeats, flush)
     row = f" {t['fp16']:>7.2f}" + "".join(f" {t[f'u{w}'] / t['fp16']:>5.2f}" for w in (8, 12, 16))

@@ -95,9 +95,12 @@ def predictor_dir(model, tok, where: Path, recording: bool = False) -> None:
 
 
 def decode(model, prompt: torch.Tensor, method, forced: torch.Tensor | None = None):
+    """Greedy tokens through ``method``'s torch reference (the goldens' backend, whatever the default)."""
     from kvquant.eval.fidelity import greedy_decode
 
-    return greedy_decode(model, prompt, method.new_cache(model), NEW_TOKENS, forced=forced)
+    method = method.on_backend("torch")
+    with method.attach(model):
+        return greedy_decode(model, prompt, method.new_cache(model), NEW_TOKENS, forced=forced)
 
 
 def bits_of(decoded) -> dict[str, float]:

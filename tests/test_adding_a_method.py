@@ -10,48 +10,12 @@ from the code or grow a fourth step.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shlex
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 from conftest import ROOT
+from recipes import follow, recipe
 
 DOC = ROOT / "docs" / "adding_a_method.md"
-COPIED = ("run.py", "pyproject.toml", "conf", "experiments", "kvquant", "kernels_cpu", "kernels_cupy", "tests")
-STEP = re.compile(r"^### \d+\. .*?(?:`([^`]+)`)?$")
-
-
-def recipe(text: str) -> tuple[dict[str, str], list[str]]:
-    """``{path: content}`` of every step that names a file, and the shell lines of the steps that do not."""
-    files: dict[str, str] = {}
-    commands: list[str] = []
-    target, block, in_block, in_step = None, [], False, False
-    for line in text.splitlines():
-        if in_block:
-            if line.startswith("```"):
-                if target:
-                    files[target] = "\n".join(block) + "\n"
-                else:
-                    commands += [c for c in block if c.strip()]
-                in_block, target, in_step = False, None, False
-            else:
-                block.append(line)
-        elif line.startswith("#"):
-            match = STEP.match(line)
-            in_step, target = bool(match), match.group(1) if match else None
-        elif line.startswith("```") and in_step:
-            in_block, block = True, []
-    return files, commands
-
-
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    """A subprocess in the copy, offline, one torch thread (the two run side by side)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def kind(path: str) -> str:
@@ -69,38 +33,14 @@ def test_the_recipe_names_one_module_one_yaml_one_test():
 
 
 def test_a_toy_method_added_by_the_recipe_runs_end_to_end(tmp_path):
-    files, commands = recipe(DOC.read_text(encoding="utf-8"))
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in COPIED:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, repo / name)
-    for path, content in files.items():
-        (repo / path).write_text(content, encoding="utf-8")
-
-    run_line, test_line = commands
-    out = tmp_path / "out"
-    run_py = start([sys.executable, *shlex.split(run_line)[1:], f"results_dir={out}", "progress=false"], repo)
     # The recipe's test, and the shared layout tests (seven architectures, sliding windows) on the new method.
-    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shlex.split(test_line)[1:]]
-    tests = start([*pytest, "tests/test_architectures.py", "-k", "halfkeys"], repo)
-    try:
-        stdout, _ = tests.communicate(timeout=300)
-        _, stderr = run_py.communicate(timeout=300)
-    finally:
-        for proc in (tests, run_py):
-            if proc.poll() is None:
-                proc.kill()
+    done = follow(DOC, tmp_path, ["tests/test_architectures.py", "-k", "halfkeys"])
+    assert done.tests_rc == 0, done.tests_out[-3000:]
+    passed = re.search(r"(\d+) passed", done.tests_out)
+    assert passed and int(passed.group(1)) > 4, done.tests_out[-1000:]  # the recipe's 4, and the layouts ran too
 
-    assert tests.returncode == 0, stdout[-3000:]
-    passed = re.search(r"(\d+) passed", stdout)
-    assert passed and int(passed.group(1)) > 4, stdout[-1000:]  # the recipe's 4, and the layouts ran too
-
-    assert run_py.returncode == 0, stderr[-3000:]
-    (results_path,) = out.rglob("results.json")
+    assert done.run_rc == 0, done.run_err[-3000:]
+    (results_path,) = done.results_dir.rglob("results.json")
     results = json.loads(results_path.read_text(encoding="utf-8"))
     assert results["method"] == {"name": "halfkeys", "rounding": "nearest"}
     assert results["config"]["method"] == results["method"]  # the YAML's keys and defaults are the dataclass's

@@ -34,8 +34,8 @@ def test_infinite_thresholds_are_bit_identical_to_fp16(stories):
     assert s["widths_k"] == s["widths_v"] == {16: 1.0}
     assert 16.0 < s["bits_read_k"] < 16.2 and s["bits_read_v"] == 16.0  # + the per-channel max read each step
     # and the logits of a decode step, not just the argmax
-    fp16_cache = get_method("fp16").new_cache(model)
-    al_cache = get_method("alignedkv", k_thresholds=INF, v_thresholds=INF).new_cache(model)
+    fp16_cache = get_method("fp16", backend="torch").new_cache(model)
+    al_cache = get_method("alignedkv", k_thresholds=INF, v_thresholds=INF, backend="torch").new_cache(model)
     with torch.no_grad():
         model(ids, past_key_values=fp16_cache)
         model(ids, past_key_values=al_cache)
@@ -47,8 +47,8 @@ def test_infinite_thresholds_are_bit_identical_to_fp16(stories):
 
 def forced_run(model, prompt, name, new, reference=None, **kw):
     """``name`` teacher-forced along fp16's greedy tokens (``reference``, decoded here if not given)."""
-    reference = reference or greedy_decode(model, prompt, get_method("fp16").new_cache(model), new)
-    cache = get_method(name, **kw).new_cache(model)
+    reference = reference or greedy_decode(model, prompt, get_method("fp16", backend="torch").new_cache(model), new)
+    cache = get_method(name, **kw, backend="torch").new_cache(model)
     forced = greedy_decode(model, prompt, cache, new, forced=reference.tokens)
     return reference, forced, cache
 
@@ -93,9 +93,9 @@ def test_release_preset_reads_fewer_value_bits(stories):
 def test_prefill_aligned_reaches_chunked_log_likelihood(stories):
     model, tok = stories
     ids = story_ids(tok, 300)[0]
-    fp16, _ = chunked_nll(model, ids, get_method("fp16").new_cache(model), 32)
-    plain, _ = chunked_nll(model, ids, get_method("alignedkv").new_cache(model), 32)
-    aligned_cache = get_method("alignedkv", prefill_aligned=True).new_cache(model)
+    fp16, _ = chunked_nll(model, ids, get_method("fp16", backend="torch").new_cache(model), 32)
+    plain, _ = chunked_nll(model, ids, get_method("alignedkv", backend="torch").new_cache(model), 32)
+    aligned_cache = get_method("alignedkv", prefill_aligned=True, backend="torch").new_cache(model)
     aligned, _ = chunked_nll(model, ids, aligned_cache, 32)
     assert plain == pytest.approx(fp16, rel=1e-6)  # prefill reads in full precision, as in the paper
     assert aligned != fp16 and aligned == pytest.approx(fp16, rel=2e-2)
@@ -112,13 +112,19 @@ def test_batch_with_left_padding_matches_fp16(stories):
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     kw = {"attention_mask": mask, "max_new_tokens": 30, "do_sample": False, "pad_token_id": 0}
     ref = model.generate(
-        ids, past_key_values=get_method("fp16").new_cache(model), output_logits=True, return_dict_in_generate=True, **kw
+        ids,
+        past_key_values=get_method("fp16", backend="torch").new_cache(model),
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kw,
     )
     exact = model.generate(
-        ids, past_key_values=get_method("alignedkv", k_thresholds=INF, v_thresholds=INF).new_cache(model), **kw
+        ids,
+        past_key_values=get_method("alignedkv", k_thresholds=INF, v_thresholds=INF, backend="torch").new_cache(model),
+        **kw,
     )
     assert torch.equal(exact, ref.sequences)  # the same reads in the same order: equal bit for bit
-    cache = get_method("alignedkv").new_cache(model)
+    cache = get_method("alignedkv", backend="torch").new_cache(model)
     out = model.generate(ids, past_key_values=cache, **kw)
     ref_logprobs = torch.log_softmax(torch.stack(ref.logits, 1).float(), -1)
     for row in range(len(rows)):
@@ -129,7 +135,7 @@ def test_batch_with_left_padding_matches_fp16(stories):
 def test_captured_products_compare_full_and_read(stories):
     model, tok = stories
     ids = story_ids(tok)
-    cache = get_method("alignedkv").new_cache(model)
+    cache = get_method("alignedkv", backend="torch").new_cache(model)
     with torch.no_grad():
         model(ids, past_key_values=cache)
         for layer in cache.layers:
@@ -145,10 +151,10 @@ def test_captured_products_compare_full_and_read(stories):
 
 def test_bad_input_is_refused_clearly(stories):
     with pytest.raises(InvalidParameterError, match="increasing positive"):
-        get_method("alignedkv", k_thresholds=[8, 4])
+        get_method("alignedkv", k_thresholds=[8, 4], backend="torch")
     with pytest.raises(InvalidParameterError, match="topk"):
-        get_method("alignedkv", topk=0)
-    layer = get_method("alignedkv").new_cache(stories[0]).layers[4]
+        get_method("alignedkv", topk=0, backend="torch")
+    layer = get_method("alignedkv", backend="torch").new_cache(stories[0]).layers[4]
     with pytest.raises(KvquantError, match="layer 4: 2 value values are NaN/inf or outside fp16"):
         v = torch.ones(1, 4, 3, 8)
         v[0, 1, 1, :2] = float("inf")
@@ -171,9 +177,9 @@ def test_layouts_it_cannot_read_are_refused_in_one_line():
         _supports_attention_backend = False
 
     with pytest.raises(InvalidParameterError, match="does not route its attention through transformers'"):
-        get_method("alignedkv").new_cache(_tiny_llama(Bypassing))
+        get_method("alignedkv", backend="torch").new_cache(_tiny_llama(Bypassing))
     with pytest.raises(InvalidParameterError, match="head_dim 12 of model_type 'llama' must be a multiple of 8"):
-        get_method("alignedkv").new_cache(_tiny_llama(head_dim=12))
+        get_method("alignedkv", backend="torch").new_cache(_tiny_llama(head_dim=12))
 
 
 def test_gpt2_layout_reads_like_fp16_at_infinite_thresholds():
@@ -183,7 +189,10 @@ def test_gpt2_layout_reads_like_fp16_at_infinite_thresholds():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=128)).eval()
     ids = torch.randint(0, 32, (1, 70))
     logits = []
-    for method in (get_method("fp16"), get_method("alignedkv", k_thresholds=INF, v_thresholds=INF)):
+    for method in (
+        get_method("fp16", backend="torch"),
+        get_method("alignedkv", k_thresholds=INF, v_thresholds=INF, backend="torch"),
+    ):
         with method.attach(model), torch.no_grad():
             cache = method.new_cache(model)
             model(ids, past_key_values=cache)
@@ -193,7 +202,7 @@ def test_gpt2_layout_reads_like_fp16_at_infinite_thresholds():
 
 def test_width_rule_scores_soft_cap_scale_and_cut_the_mask():
     """Gemma-2's order: scale, ``tanh(x/c)·c``, then the mask (here longer than the keys, additive)."""
-    from kvquant.methods.alignedkv import _scores
+    from kvquant.formats.planes import scores as _scores
 
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, 2, 8, generator=gen) * 30, torch.randn(1, 2, 5, 8, generator=gen) * 30
@@ -214,8 +223,8 @@ def test_sliding_layer_hands_attention_its_window_and_drops_whole_blocks():
     from kvquant.methods.alignedkv import AlignedLayer
 
     window, gen = 40, torch.Generator().manual_seed(0)
-    method = get_method("alignedkv", k_thresholds=INF, v_thresholds=INF)  # every read at 16 bits
-    layer = AlignedLayer(0, method, n_kv_heads=2, window=window)
+    method = get_method("alignedkv", k_thresholds=INF, v_thresholds=INF, backend="torch")  # every read at 16 bits
+    layer = AlignedLayer(0, method.rule(), n_kv_heads=2, window=window)
     assert layer.is_sliding and layer.get_mask_sizes(5) == (5, 0)
     history = []
     for n in (100, 1, 60, 1, 1):
@@ -273,29 +282,31 @@ def test_margin_only_raises_widths(stories):
         bits[str(kw)] = cache.stats()["bits_read"]
     assert bits["{}"] < bits["{'margin': 2}"] and bits["{}"] < bits["{'accumulation_margin': True}"]
     with pytest.raises(InvalidParameterError, match="margin"):
-        get_method("alignedkv", margin=-1)
+        get_method("alignedkv", margin=-1, backend="torch")
 
 
 def test_v_block_is_validated_in_one_line():
     for bad in (0, -4, 2.5, True, "8"):
         with pytest.raises(InvalidParameterError, match="v_block") as info:
-            get_method("alignedkv", v_block=bad)
+            get_method("alignedkv", v_block=bad, backend="torch")
         assert "\n" not in str(info.value)
     with pytest.raises(
         InvalidParameterError, match=r"^v_block must be a positive integer \(tokens per width\), got 0$"
     ):
-        get_method("alignedkv_plus", v_block=0)
-    assert get_method("alignedkv").v_block == get_method("alignedkv_plus").v_block == 1
+        get_method("alignedkv_plus", v_block=0, backend="torch")
+    assert (
+        get_method("alignedkv", backend="torch").v_block == get_method("alignedkv_plus", backend="torch").v_block == 1
+    )
 
 
 def test_layer_value_widths_are_the_block_max_of_the_paper_rule(stories):
     """One decode step, the same store and query: ``v_block`` raises each token's width to the widest
     in its block of the store (never lower), and ``v_block=1`` is the rule's own per-token widths."""
     from kvquant.alignment import block_widths, value_widths
-    from kvquant.methods.alignedkv import _scores
+    from kvquant.formats.planes import scores as _scores
 
     model, tok = stories
-    cache = get_method("alignedkv").new_cache(model)
+    cache = get_method("alignedkv", backend="torch").new_cache(model)
     with torch.no_grad():
         model(story_ids(tok, 200), past_key_values=cache)
     layer, gen = cache.layers[2], torch.Generator().manual_seed(0)
@@ -303,10 +314,10 @@ def test_layer_value_widths_are_the_block_max_of_the_paper_rule(stories):
     keys, wk, paper = layer.decide_widths(query, None, 8**-0.5)
     store = layer.store
     scores = _scores(query, keys, None, 8**-0.5, None, torch.float64)
-    own = value_widths(scores, store.value_high_bytes(), layer.method.v_thresholds)[:, :, : store.n_full]
+    own = value_widths(scores, store.value_high_bytes(), layer.rule.v_thresholds)[:, :, : store.n_full]
     assert torch.equal(paper, own) and paper.shape[-1] == 192 and set(paper.unique().tolist()) >= {8, 16}
     for v_block in (8, 16, 64):
-        layer.method = get_method("alignedkv", v_block=v_block)
+        layer.rule = get_method("alignedkv", v_block=v_block).rule()
         _, wk_b, wv = layer.decide_widths(query, None, 8**-0.5)
         assert torch.equal(wk_b, wk) and torch.equal(wv, block_widths(paper, v_block))
         assert bool((wv >= paper).all()) and torch.equal(
@@ -321,7 +332,7 @@ def test_larger_v_block_reads_more_bits_and_keeps_greedy_output(stories):
     fp16 is not at a near-tie."""
     model, tok = stories
     prompt = story_ids(tok, 300)[0]
-    reference = greedy_decode(model, prompt, get_method("fp16").new_cache(model), 40)
+    reference = greedy_decode(model, prompt, get_method("fp16", backend="torch").new_cache(model), 40)
     bits = []
     for v_block in (1, 8, 16, 64):
         _, forced, cache = forced_run(model, prompt, "alignedkv", 40, reference=reference, v_block=v_block)
@@ -388,18 +399,26 @@ def test_the_cpu_kernel_follows_the_torch_path(stories, name, params):
 
 
 def test_kernels_that_cannot_run_fall_back_or_refuse(monkeypatch, capsys):
-    """cpu has no sliding window (one line; ``auto`` falls back to torch); CuPy decides value widths
-    per token only, so ``v_block > 1`` there runs the torch reference with one warning line."""
+    """What a backend's kernels lack they say (``limits``): cpu has no sliding window, CuPy decides value
+    widths per token only. ``auto`` then runs the torch reference with one warning line; an explicit
+    backend is refused in one line."""
     from conftest import require_kernels_cpu
 
-    from kvquant.methods import alignedkv
+    from kvquant import backends
+    from kvquant.cache import KVGeometry
 
     require_kernels_cpu()
-    with pytest.raises(InvalidParameterError, match="cpu plane kernel has no sliding window"):
-        alignedkv.AlignedLayer(0, get_method("alignedkv"), 2, backend="cpu", window=32)
+    sliding = KVGeometry(1, 4, 2, 8, "llama", 32, ("sliding_attention",))
+    rule = get_method("alignedkv").rule(sliding)
+    assert backends.get_backend("cpu").limits("planes", sliding, rule) == ["sliding-window layers (32)"]
     model = _tiny_llama()
     assert get_method("alignedkv", backend="auto").new_cache(model).backend == "cpu"
-    monkeypatch.setattr(alignedkv, "select_backend", lambda *args: "cupy")
+    geometry = KVGeometry.of(model.config)
+    cupy = backends.get_backend("cupy")
+    assert cupy.limits("planes", geometry, get_method("alignedkv").rule(geometry)) == []
+    monkeypatch.setattr(backends, "_WARNED", set())  # each fallback line is said once per process
+    monkeypatch.setattr(backends, "auto_candidate", lambda device_type: "cupy")  # as if this CPU were a GPU
+    monkeypatch.setattr(backends, "_why_unusable", lambda *args: None)
     assert get_method("alignedkv", backend="auto", v_block=8).new_cache(model).backend == "torch"
     assert "value widths per block (v_block=8)" in capsys.readouterr().err
     with pytest.raises(InvalidParameterError, match=r"backend=cupy cannot run this model: .*v_block=8"):
@@ -448,7 +467,7 @@ def test_a_whole_prompt_without_a_mask_is_causal_for_the_rules(stories, monkeypa
         return attend(self, module, query, *args, **kwargs)
 
     monkeypatch.setattr(AlignedLayer, "attend", keep_query)
-    method = get_method("alignedkv", prefill_aligned=True)
+    method = get_method("alignedkv", prefill_aligned=True, backend="torch")
     with method.attach(model), torch.no_grad():
         cache = method.new_cache(model)
         model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
@@ -462,13 +481,13 @@ def test_a_whole_prompt_without_a_mask_is_causal_for_the_rules(stories, monkeypa
     assert (plain >= everything).all()  # a query that sees few keys weighs each more: wider reads
 
     require_kernels_cpu()
-    torch_rule, ruled = AlignedLayer.decide_widths, []
+    torch_rule, ruled = AlignedLayer.aligned_read, []
 
     def count_rule(self, *args, **kwargs):
         ruled.append(self.layer_idx)
         return torch_rule(self, *args, **kwargs)
 
-    monkeypatch.setattr(AlignedLayer, "decide_widths", count_rule)
+    monkeypatch.setattr(AlignedLayer, "aligned_read", count_rule)
     nll, stats = {}, {}
     for backend in ("torch", "cpu"):
         ruled.clear()

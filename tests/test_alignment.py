@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from kvquant import bits
 from kvquant.alignment import (
     BLOCK,
-    PlaneStore,
     accumulation_margin,
     block_exponent_field,
     block_key_widths,
@@ -20,6 +19,7 @@ from kvquant.alignment import (
     widths_from_gap,
 )
 from kvquant.errors import InvalidParameterError
+from kvquant.formats.planes import PlaneStore
 
 T = (4.0, 8.0)
 INF = (float("inf"), float("inf"))

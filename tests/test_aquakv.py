@@ -33,7 +33,7 @@ def pred_dir(tmp_path_factory):
 def calibrated(stories, pred_dir):
     """The 2-bit aquakv predictors for stories260k, saved where the method looks for them."""
     model, tok = stories
-    method = get_method("aquakv")
+    method = get_method("aquakv", backend="torch")
     pred = method.calibrate(model, tok, **CALIB)
     path = method.default_path(model_identity(model.config), method.quantizers(model.config))
     path = pred_dir / path.relative_to(path.parents[1])
@@ -79,10 +79,13 @@ def record_inputs(cache):
 
 def test_methods_default_to_two_bits_and_take_2_3_4():
     for name in NAMES:
-        assert get_method(name).bits == 2 and get_method(name, bits=4).bits == 4
+        assert get_method(name, backend="torch").bits == 2 and get_method(name, bits=4, backend="torch").bits == 4
         with pytest.raises(InvalidParameterError, match="bits must be one of 2, 3, 4"):
-            get_method(name, bits=5)
-    assert get_method("aquakv_k_only").predict == "k" and get_method("aquakv_v_only").predict == "v"
+            get_method(name, bits=5, backend="torch")
+    assert (
+        get_method("aquakv_k_only", backend="torch").predict == "k"
+        and get_method("aquakv_v_only", backend="torch").predict == "v"
+    )
     assert {p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")} >= set(NAMES)
 
 
@@ -90,7 +93,7 @@ def test_missing_predictor_file_says_which_calibration_makes_it(stories, tmp_pat
     """The library names the file and the calibration in fields; experiments format the command line."""
     monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(tmp_path))
     with pytest.raises(PredictorFileError) as err:
-        get_method("aquakv_v_only", bits=3).new_cache(stories[0])
+        get_method("aquakv_v_only", bits=3, backend="torch").new_cache(stories[0])
     e = err.value
     msg = str(e)
     assert "\n" not in msg and str(tmp_path) in msg and "run.py" not in msg and msg.endswith("calibrate first")
@@ -101,14 +104,14 @@ def test_missing_predictor_file_says_which_calibration_makes_it(stories, tmp_pat
     again = pickle.loads(pickle.dumps(e))  # sweeps may carry it across processes
     assert str(again) == msg and again.target() == e.target() and again.path == e.path
     with pytest.raises(PredictorFileError) as err:
-        get_method("aquakv", first_layer_bits=None, group=64).new_cache(stories[0])
+        get_method("aquakv", first_layer_bits=None, group=64, backend="torch").new_cache(stories[0])
     assert calibrate_command(err.value).endswith("method.bits=2 method.first_layer_bits=null method.group=64")
     assert error_line(KvquantError("plain\nerror")) == "plain error"
 
 
 def test_calibration_is_deterministic_and_predictors_beat_higgs_alone(stories, calibrated):
     pred, path = calibrated
-    again = get_method("aquakv").calibrate(*stories, **CALIB)
+    again = get_method("aquakv", backend="torch").calibrate(*stories, **CALIB)
     assert pred.tensors().keys() == again.tensors().keys() and len(pred.k) == len(pred.v) == 4  # layers 1..4
     for name, t in pred.tensors().items():
         assert torch.equal(t, again.tensors()[name]), name
@@ -127,12 +130,12 @@ def test_calibration_is_deterministic_and_predictors_beat_higgs_alone(stories, c
 def test_file_for_another_quantizer_or_model_is_refused_naming_both(stories, calibrated, tmp_path):
     pred, path = calibrated
     with pytest.raises(PredictorFileError) as err:
-        get_method("aquakv", bits=3, predictors=str(path)).new_cache(stories[0])
+        get_method("aquakv", bits=3, predictors=str(path), backend="torch").new_cache(stories[0])
     assert '"bits": 2' in str(err.value) and '"bits": 3' in str(err.value)
     other = Predictors({**pred.header, "model": {"id": "some-other-model", "config_hash": "0" * 12}}, pred.k, pred.v)
     other_path = other.save(tmp_path / "other.safetensors")
     with pytest.raises(PredictorFileError) as err:
-        get_method("aquakv", predictors=str(other_path)).new_cache(stories[0])
+        get_method("aquakv", predictors=str(other_path), backend="torch").new_cache(stories[0])
     assert "some-other-model" in str(err.value) and model_identity(stories[0].config)["id"] in str(err.value)
 
 
@@ -140,7 +143,7 @@ def test_cache_reconstruction_is_the_calibration_rule_in_chunks(stories, calibra
     """Chunked prefill through the cache stores exactly what the offline rule encodes, layer by layer."""
     model, tok = stories
     pred, _ = calibrated
-    cache = get_method("aquakv").new_cache(model)
+    cache = get_method("aquakv", backend="torch").new_cache(model)
     seen = record_inputs(cache)
     feed(model, story_ids(tok, 300), cache, 40)
     n_q = 300 - SINK - WINDOW
@@ -163,7 +166,7 @@ def test_cache_reconstruction_is_the_calibration_rule_in_chunks(stories, calibra
 def test_returned_keys_are_rotated_back_correctly(stories):
     """Sinks and window come back as handed in; quantized keys with 4-bit error, not a RoPE mismatch."""
     model, tok = stories
-    cache = get_method("higgs", bits=4).new_cache(model)
+    cache = get_method("higgs", bits=4, backend="torch").new_cache(model)
     seen = record_inputs(cache)
     feed(model, story_ids(tok, 260), cache, 64)
     q = slice(SINK, 260 - WINDOW)
@@ -185,7 +188,7 @@ def test_post_rope_keys_are_coded_as_handed_and_keep_no_positions(stories):
     ids = story_ids(tok, 260)
     caches, seen = {}, {}
     for name in ("higgs", "higgs_post_rope"):
-        caches[name] = get_method(name, bits=4).new_cache(model)
+        caches[name] = get_method(name, bits=4, backend="torch").new_cache(model)
         seen[name] = record_inputs(caches[name])
         feed(model, ids, caches[name], 64)
     cache, coded = caches["higgs_post_rope"], slice(SINK, 260 - WINDOW)
@@ -214,7 +217,7 @@ def test_post_rope_keys_refuse_predictors():
 def test_stats_count_every_byte_and_report_predictors_apart(stories, calibrated, env_dir):
     model, tok = stories
     pred, _ = calibrated
-    cache = get_method("aquakv").new_cache(model)
+    cache = get_method("aquakv", backend="torch").new_cache(model)
     chunked_nll(model, story_ids(tok, 400), cache, 32)
     s = cache.stats()
     assert s["bytes"] == sum(s["bytes_by_part"].values())
@@ -230,32 +233,34 @@ def test_chunking_and_decode_store_the_same_codes(stories, calibrated, env_dir):
     """Prefill chunks then one-token decode steps store what one chunking of the same text stores."""
     model, tok = stories
     ids = story_ids(tok, 160, start=20)
-    decoded = get_method("aquakv").new_cache(model)
+    decoded = get_method("aquakv", backend="torch").new_cache(model)
     feed(model, ids[:130], decoded, 45)
     feed(model, ids[130:], decoded, 1)
-    chunked = get_method("aquakv").new_cache(model)
+    chunked = get_method("aquakv", backend="torch").new_cache(model)
     feed(model, ids, chunked, 40)
     for a, b in zip(decoded.layers, chunked.layers, strict=True):
         assert a.n_quant == b.n_quant == 160 - SINK - WINDOW
-        assert (a.qk.codes == b.qk.codes).float().mean() > 0.99 and (a.qv.codes == b.qv.codes).float().mean() > 0.99
+        assert (a.state.qk.codes == b.state.qk.codes).float().mean() > 0.99 and (
+            a.state.qv.codes == b.state.qv.codes
+        ).float().mean() > 0.99
 
 
 def test_generate_and_ppl_beat_higgs(stories, calibrated, env_dir):
     model, tok = stories
-    cache = get_method("aquakv").new_cache(model)
+    cache = get_method("aquakv", backend="torch").new_cache(model)
     prompt = tok("Once upon a time", return_tensors="pt")
     out = model.generate(**prompt, past_key_values=cache, max_new_tokens=140, do_sample=False)
     assert cache.get_seq_length() == out.shape[1] - 1 and cache.layers[0].n_quant > 0
     ids = story_ids(tok, 400, start=40)
     nll = {}
     for name, kw in (("higgs", {"first_layer_bits": 4}), ("aquakv", {})):
-        nll[name] = chunked_nll(model, ids, get_method(name, **kw).new_cache(model), 50)[0]
+        nll[name] = chunked_nll(model, ids, get_method(name, **kw, backend="torch").new_cache(model), 50)[0]
     assert nll["aquakv"] < nll["higgs"]
 
 
 def test_ablations_calibrate_only_their_predictors(stories):
-    k_only = get_method("aquakv_k_only").calibrate(*stories, **{**CALIB, "n_seqs": 2})
-    v_only = get_method("aquakv_v_only").calibrate(*stories, **{**CALIB, "n_seqs": 2})
+    k_only = get_method("aquakv_k_only", backend="torch").calibrate(*stories, **{**CALIB, "n_seqs": 2})
+    v_only = get_method("aquakv_v_only", backend="torch").calibrate(*stories, **{**CALIB, "n_seqs": 2})
     assert sorted(k_only.k) == [1, 2, 3, 4] and not k_only.v
     assert sorted(v_only.v) == [1, 2, 3, 4] and not v_only.k
     assert v_only.v[1][0].shape == (64, 32)  # [reconstructed keys of l, values of l-1] -> values of l
@@ -264,14 +269,14 @@ def test_ablations_calibrate_only_their_predictors(stories):
 def test_transformers_5_17_positional_cache_kwargs(stories):
     """5.17 hands ``{cos, sin, cache_position}`` positionally: positions come from it, and cos/sin are checked."""
     model, _ = stories
-    cache = get_method("higgs").new_cache(model)
+    cache = get_method("higgs", backend="torch").new_cache(model)
     rotary = model.model.rotary_emb
     pos = torch.arange(10, 150).unsqueeze(0)
     cos, sin = rotary(torch.zeros(1), pos)
     k, v = torch.randn(1, 4, 140, 8), torch.randn(1, 4, 140, 8)
     cache.update(k, v, 0, {"cos": cos, "sin": sin, "cache_position": pos[0]})
     assert cache.positions[0].tolist() == list(range(10, 150))
-    bad = get_method("higgs").new_cache(model)
+    bad = get_method("higgs", backend="torch").new_cache(model)
     with pytest.raises(KvquantError, match="cos/sin"):
         bad.update(k, v, 0, {"cos": cos, "sin": sin, "cache_position": pos[0] + 1})
 
@@ -292,7 +297,7 @@ def test_group_without_hadamard_transform_is_padded_and_said():
     model = LlamaForCausalLM(config).eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cache = get_method("higgs").new_cache(model)
+        cache = get_method("higgs", backend="torch").new_cache(model)
     assert any("zero-padded to 12" in str(w.message) for w in caught)
     chunked_nll(model, torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0)), cache, 50)
     assert cache.layers[1].n_quant == 200 - SINK - WINDOW
@@ -312,15 +317,20 @@ def test_calibrate_experiment_writes_the_file_the_method_loads(stories, tmp_path
     assert result["task"]["name"] == "calibrate" and result["task"]["tokens"] == 256
     assert result["metrics"]["predictor_bytes"] > 0 and len(result["calibration"]["layers"]) == 5
     json.dumps(result)
-    cache = get_method("aquakv", bits=3).new_cache(stories[0])
+    cache = get_method("aquakv", bits=3, backend="torch").new_cache(stories[0])
     assert cache.predictors is not None and cache.predictors.header["quantizer"]["bits"] == 3
 
 
 def test_analytic_bits_come_from_the_geometry_alone(stories):
     geometry = KVGeometry.of(stories[0].config)  # 5 layers, 4 KV heads of 8: one group of 32 channels
-    assert get_method("higgs").analytic_bits(geometry) == 2.5 and get_method("higgs").analytic_bits() is None
-    assert get_method("aquakv").analytic_bits(geometry) == (4.5 + 4 * 2.5) / 5  # layer 0 at 4 bits, no file read
-    assert get_method("higgs").adaptations(geometry) == {"group": [1024, 32]}
+    assert (
+        get_method("higgs", backend="torch").analytic_bits(geometry) == 2.5
+        and get_method("higgs", backend="torch").analytic_bits() is None
+    )
+    assert (
+        get_method("aquakv", backend="torch").analytic_bits(geometry) == (4.5 + 4 * 2.5) / 5
+    )  # layer 0 at 4 bits, no file read
+    assert get_method("higgs", backend="torch").adaptations(geometry) == {"group": [1024, 32]}
 
 
 def test_predictor_files_are_read_once_per_version(calibrated, tmp_path):
@@ -336,11 +346,11 @@ def test_cache_names_the_predictor_file_by_digest(stories, calibrated, env_dir):
     """A result must tell two calibrations apart: they share a file name, not a sha256."""
     pred, path = calibrated
     assert pred.source is None  # fitted in memory, never read
-    files = get_method("aquakv").new_cache(stories[0]).parameter_files
+    files = get_method("aquakv", backend="torch").new_cache(stories[0]).parameter_files
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     assert files["predictors"]["sha256"] == digest and files["predictors"]["path"] == str(path.resolve())
     assert files["predictors"]["calibration"]["tokens"] == 1024
-    assert get_method("higgs").new_cache(stories[0]).parameter_files == {}
+    assert get_method("higgs", backend="torch").new_cache(stories[0]).parameter_files == {}
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +358,7 @@ def every_variant(stories, calibrated, pred_dir):
     """Small predictors for the ablations too, beside the 2-bit aquakv ones."""
     model, tok = stories
     for name in ("aquakv_k_only", "aquakv_v_only"):
-        method = get_method(name)
+        method = get_method(name, backend="torch")
         path = method.default_path(model_identity(model.config), method.quantizers(model.config))
         method.calibrate(model, tok, **{**CALIB, "n_seqs": 2}).save(pred_dir / path.relative_to(path.parents[1]))
     return pred_dir
@@ -358,22 +368,24 @@ def every_variant(stories, calibrated, pred_dir):
 @pytest.mark.parametrize("name", NAMES)
 def test_beam_search_with_default_parameters(stories, every_variant, monkeypatch, name):
     monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(every_variant))
-    beam_search_runs(*stories, get_method(name))
+    beam_search_runs(*stories, get_method(name, backend="torch"))
 
 
 @pytest.mark.parametrize("name", ["higgs", "aquakv"])
 def test_batch_selection_equals_the_cache_of_the_selected_rows(stories, calibrated, env_dir, name):
     """Sinks, codes, scales and the positions and hand-off the layers share move with their rows."""
-    check_selection_equals_rebuild(stories[0], get_method(name, window=32))
+    check_selection_equals_rebuild(stories[0], get_method(name, window=32, backend="torch"))
 
 
-def test_crop_is_one_line(stories):
+def test_crop_takes_back_the_window_and_is_one_line_beyond(stories):
     from kvquant.cache import CropError
 
-    cache = get_method("higgs").new_cache(stories[0])
+    cache = get_method("higgs", backend="torch").new_cache(stories[0])
     cache.update(torch.randn(1, 4, 10, 8), torch.randn(1, 4, 10, 8), 0)
-    with pytest.raises(CropError) as e:
-        cache.crop(-5)
+    cache.crop(-5)  # 4 sinks, then 6 in the fp16 window: the newest 5 go
+    assert cache.get_seq_length() == 5 and cache.layers[0].n_recent == 1
+    with pytest.raises(CropError, match="only 1 are still held in the fp16 window") as e:
+        cache.crop(-3)
     assert "\n" not in str(e.value)
 
 
@@ -472,7 +484,7 @@ def test_sliding_layers_return_the_full_layers_tail_and_hold_what_the_rule_says(
             assert sk.shape[2] == sv.shape[2] == length
             f = full.layers[i]
             pos = torch.arange(offset, seen + n)
-            from_codes = (pos >= f.code_lo) & (pos < f.code_lo + f.n_codes)
+            from_codes = (pos >= f.state.code_lo) & (pos < f.state.code_lo + f.n_codes)
             compared.update((i, p) for p in pos[from_codes].tolist())
             for got, ref, x in ((sk, fk, k), (sv, fv, v)):
                 true = x[:, :, offset : seen + n].half().float()  # what the layers hold and code: fp16

@@ -18,14 +18,16 @@ from test_kernels_cpu import reference
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kernels_cpu
+from kernels_cpu.backend import aquakv_tensors
 from kernels_cpu.loader import module
 from kvquant import get_method
 from kvquant.analysis.memory import held_bytes, transient_bytes
+from kvquant.backends import get_backend
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
-from kvquant.methods.aquakv.cache import WORKSPACE_BLOCK, AquaKVCache, AquaKVLayer
+from kvquant.methods.aquakv.cache import WORKSPACE_BLOCK, AquaKVCache
+from kvquant.methods.aquakv.layer import PROMPT_QUERIES, AquaKVLayer
 from kvquant.methods.aquakv.predictors import Predictors, dequantize_pair, encode_pair, from_rows
-from kvquant.methods.window import PROMPT_QUERIES
 from kvquant.quant.higgs import Higgs
 from kvquant.quant.rope import apply_rope
 
@@ -112,7 +114,8 @@ def aquakv_caches(
     caches = {}
     for backend in ("torch", "cpu"):
         layers = [
-            AquaKVLayer(i, quant, pred.k.get(i), pred.v.get(i), sink, window, None, backend) for i in range(n_layers)
+            AquaKVLayer(i, quant, pred.k.get(i), pred.v.get(i), sink, window, None, get_backend(backend))
+            for i in range(n_layers)
         ]
         caches[backend] = AquaKVCache(layers, LlamaRotaryEmbedding(config), pred)
     return caches
@@ -122,14 +125,14 @@ def torch_reference(cache: AquaKVCache, layer_idx: int) -> tuple[torch.Tensor, t
     """What the torch path hands attention for ``cache``'s layer: sinks, the coded tokens rebuilt from the
     codes alone (``AquaKVCache.reconstruct``, the torch rule) with RoPE re-applied, and the window."""
     layer = cache.layers[layer_idx]
-    keys, values = [layer.k_win.sinks], [layer.v_win.sinks]
+    keys, values = [layer.state.k_win.sinks], [layer.state.v_win.sinks]
     if layer.n_codes:
         rk, rv = cache.reconstruct(layer_idx)
-        cos, sin = cache.tables(layer_idx, layer.code_lo, layer.n_codes)
+        cos, sin = cache.tables(layer_idx, layer.state.code_lo, layer.n_codes)
         keys.append(apply_rope(from_rows(rk, layer.n_heads), cos, sin))
         values.append(from_rows(rv, layer.n_heads))
-    keys.append(layer.k_win.recent)
-    values.append(layer.v_win.recent)
+    keys.append(layer.state.k_win.recent)
+    values.append(layer.state.v_win.recent)
     cat = lambda parts: torch.cat([p.float() for p in parts if p is not None], dim=-2)  # noqa: E731
     return cat(keys), cat(values)
 
@@ -180,11 +183,11 @@ def test_kernel_matches_the_torch_path(built, threads, case):
             for mine, ref in ((mine_k, ref_k.float()), (mine_v, ref_v.float())):
                 apart = ((mine - ref).abs() > 1e-5 + 1e-5 * ref.abs()).any(-1).any(1)  # [batch, token]
                 assert apart.float().mean() <= 1e-3, apart.sum()
-            args = kernels_cpu.aquakv_tensors(layer)
+            args = aquakv_tensors(layer.state)
             routes = [args]
             if layer.n_codes:  # RoPE from the positions (Llama's module is the formula), and from tables
                 assert args["positions"] is not None and args["cos"] is None
-                cos, sin = caches["cpu"].tables(i, layer.code_lo, layer.n_codes)
+                cos, sin = caches["cpu"].tables(i, layer.state.code_lo, layer.n_codes)
                 routes.append({**args, "positions": None, "inv_freq": None, "cos": cos, "sin": sin})
             length = mine_k.shape[2]
             for q_len in (1, 4):
@@ -196,9 +199,9 @@ def test_kernel_matches_the_torch_path(built, threads, case):
             out = kernels_cpu.attend_aquakv(q, **args, causal=True, scaling=0.3)
             assert_close(out, reference(q, mine_k, mine_v, padded_causal(b, 3, length, [0] * b), scaling=0.3))
     for lt, lc in zip(caches["torch"].layers, caches["cpu"].layers, strict=True):
-        if lt.qk is not None:
-            assert (lt.qk.codes != lc.qk.codes).float().mean() <= 1e-3
-            assert (lt.qv.codes != lc.qv.codes).float().mean() <= 1e-3
+        if lt.state.qk is not None:
+            assert (lt.state.qk.codes != lc.state.qk.codes).float().mean() <= 1e-3
+            assert (lt.state.qv.codes != lc.state.qv.codes).float().mean() <= 1e-3
     assert caches["cpu"].stats() == caches["torch"].stats()
 
 
@@ -286,24 +289,25 @@ def test_left_padded_batch_and_prompt_chunks_follow_the_torch_path(built, storie
     assert caches["cpu"].layers[1].n_codes > 0
 
 
-def test_aquakv_resolves_to_the_kernels_and_refuses_sliding_windows(built, stories, capsys):
+def test_aquakv_resolves_to_the_kernels_and_refuses_sliding_windows(built, stories, capsys, monkeypatch):
     """On stories260k ``cpu`` and ``auto`` both read with the kernels (no warning); a sliding-window model
     is one line of error on ``cpu`` and the torch path after one warning line on ``auto``."""
+    monkeypatch.setattr("kvquant.backends._WARNED", set())  # each fallback line is said once per process
     from test_higgs_kernel import sliding_model
 
     model, _ = stories
     geometry = KVGeometry.of(model.config)
     for backend in ("cpu", "auto"):
         method = get_method("aquakv", backend=backend)
-        assert method.resolve_backend(model, geometry, method.quantizers(geometry)[method.layer_bits(0)]) == "cpu"
+        assert method.resolve(model, geometry, method.rule(geometry)).name == "cpu"
     assert capsys.readouterr().err == ""
     sliding = sliding_model()
     geometry = KVGeometry.of(sliding.config)
     method = get_method("aquakv", backend="cpu")
     with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model: .*sliding-window"):
-        method.resolve_backend(sliding, geometry, method.quantizers(geometry)[method.layer_bits(0)])
+        method.resolve(sliding, geometry, method.rule(geometry))
     method = get_method("aquakv", backend="auto")
-    assert method.resolve_backend(sliding, geometry, method.quantizers(geometry)[method.layer_bits(0)]) == "torch"
+    assert method.resolve(sliding, geometry, method.rule(geometry)).name == "torch"
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "backend=auto uses torch" in err[0] and "sliding-window" in err[0]
 
@@ -349,7 +353,7 @@ def test_backend_cpu_is_as_close_to_fp16_as_the_torch_path_on_smollm2(built, smo
     monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(predictor_root(*smollm2)))
     model, tok = smollm2
     ids = tok("Once upon a time, a little fox", return_tensors="pt").input_ids[0]
-    fp16 = get_method("fp16")
+    fp16 = get_method("fp16", backend="torch")
     with fp16.attach(model):
         plain = greedy_decode(model, ids, fp16.new_cache(model), 40)
     kl, caches = {}, {}

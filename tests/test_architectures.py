@@ -145,7 +145,7 @@ def test_fp16_equals_dynamic_cache(layout):
     """Same greedy tokens as ``DynamicCache``, logits within fp16 storage's rounding; bit for bit
     the ``DynamicCache`` run whose K/V were rounded to fp16 (same windows, same masks)."""
     ref_tokens, ref_logits = reference(layout)
-    tokens, logits, cache = run(layout, "fp16")
+    tokens, logits, cache = run(layout, "fp16", backend="torch")
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=2e-3, rtol=1e-3)
     assert torch.equal(logits, reference(layout, rounded=True)[1])
@@ -172,8 +172,8 @@ def test_fp16_cpu_kernel_equals_dynamic_cache(layout):
 @pytest.mark.parametrize("name", ["alignedkv", "alignedkv_plus"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_alignedkv_at_infinite_thresholds_is_fp16(layout, name):
-    _, fp16_logits, fp16 = run(layout, "fp16")
-    _, logits, cache = run(layout, name, k_thresholds=INF, v_thresholds=INF)
+    _, fp16_logits, fp16 = run(layout, "fp16", backend="torch")
+    _, logits, cache = run(layout, name, k_thresholds=INF, v_thresholds=INF, backend="torch")
     assert torch.equal(logits, fp16_logits)
     # the same elements read (a sliding layer's window only), every one at 16 bits
     read, read_fp16 = cache.counts(), fp16.counts()

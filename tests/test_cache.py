@@ -111,7 +111,7 @@ def test_select_and_reorder_equal_a_cache_built_from_those_rows(stories, name):
             assert len(mine) == len(theirs) and all(torch.equal(x, y) for x, y in zip(mine, theirs, strict=True))
 
 
-def test_crop_works_for_fp16_and_is_one_line_elsewhere(stories, story_prompt):
+def test_crop_works_for_fp16_and_within_the_fp16_window_elsewhere(stories, story_prompt):
     model, _ = stories
     cache = get_method("fp16").new_cache(model)
     with torch.no_grad():
@@ -119,10 +119,15 @@ def test_crop_works_for_fp16_and_is_one_line_elsewhere(stories, story_prompt):
     cache.crop(story_prompt.shape[1] - 3)
     assert cache.get_seq_length() == story_prompt.shape[1] - 3
     cache = get_method("kivi2", group_size=8, residual=16).new_cache(model)
+    longer = story_prompt.repeat(1, 3)  # beyond the 16-token windows
     with torch.no_grad():
-        model(story_prompt, past_key_values=cache)
-    with pytest.raises(CropError, match="cannot be cropped") as err:
-        cache.crop(2)
+        model(longer, past_key_values=cache)
+    held = cache.layers[0].state.newest_fp16()
+    assert 0 < held < longer.shape[1]
+    cache.crop(-held)  # what both fp16 windows hold can be taken back
+    assert cache.get_seq_length() == longer.shape[1] - held
+    with pytest.raises(CropError, match="only 0 are still held in the fp16 window") as err:
+        cache.crop(-1)
     assert "\n" not in str(err.value)
 
 
@@ -136,3 +141,31 @@ def test_offload_and_prefetch_keep_every_tensor(stories, story_prompt):
     cache.layers[0].prefetch()
     after = [t for t in cache.layers[0].stored_k() if t is not None]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+EQUAL_WITH_LOOKUP = ("fp16", "truncation", "alignedkv")
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_prompt_lookup_decoding_runs_with_every_method(stories, predictor_root, monkeypatch, name):
+    """``prompt_lookup_num_tokens``: drafts from the prompt are verified in one forward and the rejected
+    ones cropped away. Every method takes it with its defaults (what a rejected draft removes is still
+    held at full precision); fp16, truncation and AlignedKV then give plain greedy decoding's tokens."""
+    model, tok = stories
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(predictor_root(model, tok)))
+    text = "Once upon a time, there was a little dog. The little dog liked to play. " * 3 + "Once upon a time,"
+    ids = tok(text, return_tensors="pt").input_ids
+    method = get_method(name)
+    crops = []
+    with method.attach(model), torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=48, do_sample=False, past_key_values=method.new_cache(model))
+        cache = method.new_cache(model)
+        crop = cache.crop
+        monkeypatch.setattr(cache, "crop", lambda n: (crops.append(n), crop(n)))
+        lookup = model.generate(
+            ids, max_new_tokens=48, do_sample=False, prompt_lookup_num_tokens=3, past_key_values=cache
+        )
+    assert crops and cache.get_seq_length() == lookup.shape[1] - 1  # drafts were rejected and taken back
+    assert lookup.shape[1] == plain.shape[1] == ids.shape[1] + 48
+    if name in EQUAL_WITH_LOOKUP:
+        assert torch.equal(lookup, plain)

@@ -34,7 +34,7 @@ def test_parameters_survive_the_override_grammar():
         cfg = cell_config(cells[0], RUN)
     assert display == {"lb": ("trec", 1.0)}
     assert OmegaConf.to_container(cfg.task) == {**OmegaConf.to_container(cfg.task), **params}
-    assert OmegaConf.to_container(cfg.method) == {"name": "truncation", "backend": "torch", **odd}
+    assert OmegaConf.to_container(cfg.method) == {"name": "truncation", "backend": "auto", **odd}
     assert cfg.experiment.runner == "evaluate" and cfg.model.name == "stories260k"
     assert override_value([1.5e-05, "a b"]) == "[1.5e-05,'a b']"
 

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvquant import get_method
+from kvquant.backends import get_backend
 from kvquant.cache import CropError, KVCache
 from kvquant.methods.fp16 import Fp16Layer
 
@@ -58,7 +59,7 @@ def test_fp16_layer_stores_half_and_returns_rounded_history(chunks, heads, dim, 
 
 def test_fp16_reports_analytic_bits_and_its_backend():
     method = get_method("fp16")
-    assert method.analytic_bits() == 16.0 and method.describe() == {"name": "fp16", "backend": "torch"}
+    assert method.analytic_bits() == 16.0 and method.describe() == {"name": "fp16", "backend": "auto"}
 
 
 @settings(max_examples=40, deadline=None)
@@ -105,7 +106,7 @@ def kv(n, batch=1, heads=2, dim=4, seed=0):
 
 
 def capacity_tokens(layer):
-    return layer._store[0].shape[-2]
+    return layer.state.buffers[0].shape[-2]
 
 
 def test_decode_appends_in_place_until_the_block_fills():
@@ -115,18 +116,18 @@ def test_decode_appends_in_place_until_the_block_fills():
     k, v = kv(5)
     layer.update(k, v)
     assert capacity_tokens(layer) == 16 and layer.reserved_bytes() == 2 * (1 * 2 * 16 * 4) * 2
-    ptr, ks = layer._store[0].data_ptr(), [k]
+    ptr, ks = layer.state.buffers[0].data_ptr(), [k]
     for i in range(11):
         k1, v1 = kv(1, seed=i + 1)
         out_k, _ = layer.update(k1.half(), v1.half())  # fp16 compute: attention gets the view itself
         ks.append(k1)
-        assert layer._store[0].data_ptr() == ptr and out_k.data_ptr() == ptr and layer.keys.data_ptr() == ptr
+        assert layer.state.buffers[0].data_ptr() == ptr and out_k.data_ptr() == ptr and layer.keys.data_ptr() == ptr
         assert out_k.shape[-2] == 6 + i
     assert capacity_tokens(layer) == layer.get_seq_length() == 16
     k1, v1 = kv(1, seed=99)
     layer.update(k1, v1)
     ks.append(k1)
-    assert layer._store[0].data_ptr() != ptr and capacity_tokens(layer) == 24
+    assert layer.state.buffers[0].data_ptr() != ptr and capacity_tokens(layer) == 24
     assert torch.equal(layer.keys, torch.cat(ks, -2).half())
 
 
@@ -151,8 +152,8 @@ def test_store_equals_a_concatenation_and_reserves_under_two_blocks(chunks, bloc
         cap = capacity_tokens(layer)
         assert used <= cap < used + 2 * block  # the slack: under two blocks
         assert layer.reserved_bytes() == 2 * 2 * (batch * 2 * cap * 4)
-        moves += layer._store[0].data_ptr() != ptr
-        ptr = layer._store[0].data_ptr()
+        moves += layer.state.buffers[0].data_ptr() != ptr
+        ptr = layer.state.buffers[0].data_ptr()
         stats = layer.counts().summary()
         assert stats["bits_stored"] == 16.0 and stats["bytes"] == 2 * 2 * batch * 2 * used * 4
     # a move happens only when a chunk does not fit, and leaves at least a block free
@@ -164,11 +165,11 @@ def test_decoding_moves_once_per_block():
     one move per 16 decode steps (a move allocates before it frees, so consecutive addresses differ)."""
     layer = Fp16Layer(block=16)
     layer.update(*kv(100))
-    caps, ptrs = Counter(), [layer._store[0].data_ptr()]
+    caps, ptrs = Counter(), [layer.state.buffers[0].data_ptr()]
     for i in range(300):
         layer.update(*kv(1, seed=i))
         caps[capacity_tokens(layer)] += 1
-        ptrs.append(layer._store[0].data_ptr())
+        ptrs.append(layer.state.buffers[0].data_ptr())
     assert caps == {128: 28, **{c: 16 for c in range(144, 401, 16)}} and layer.get_seq_length() == 400
     assert sum(a != b for a, b in zip(ptrs, ptrs[1:], strict=False)) == 17
 
@@ -188,7 +189,7 @@ def test_sliding_layer_keeps_its_window_in_a_bounded_buffer():
         out_k, _ = layer.update(k1, v1)
         assert torch.equal(out_k, torch.cat(hist, -2)[..., -8:, :].half().float())
         assert capacity_tokens(layer) == 12 and layer.keys.shape[-2] == 7
-        ptrs.append(layer._store[0].data_ptr())
+        ptrs.append(layer.state.buffers[0].data_ptr())
     assert sum(a != b for a, b in zip(ptrs, ptrs[1:], strict=False)) == 3  # steps 6, 11, 16: 5 slots per move
     assert layer.counts().summary()["bits_stored"] == 16.0 and layer.counts().bytes_k == 2 * 2 * 7 * 4
     assert layer.reserved_bytes() == 2 * 2 * (2 * 12 * 4)
@@ -198,12 +199,12 @@ def test_crop_then_append_writes_over_the_cropped_tokens():
     layer = Fp16Layer(block=8)
     k, v = kv(10)
     layer.update(k, v)
-    ptr = layer._store[0].data_ptr()
+    ptr = layer.state.buffers[0].data_ptr()
     layer.crop(-4)
     assert layer.get_seq_length() == 6 and torch.equal(layer.keys, k[..., :6, :].half())
     k2, v2 = kv(3, seed=5)
     out_k, out_v = layer.update(k2, v2)
-    assert layer._store[0].data_ptr() == ptr
+    assert layer.state.buffers[0].data_ptr() == ptr
     assert torch.equal(out_k, torch.cat([k[..., :6, :], k2], -2).half().float())
     assert torch.equal(out_v, torch.cat([v[..., :6, :], v2], -2).half().float())
     layer.crop(4)  # legacy form: the length to keep
@@ -218,10 +219,10 @@ def test_batch_maps_keep_the_capacity_and_append_in_place_after():
     beam = torch.tensor([2, 0, 0])
     layer.reorder_cache(beam)
     assert capacity_tokens(layer) == 16 and torch.equal(layer.keys, k[beam].half())
-    ptr = layer._store[0].data_ptr()
+    ptr = layer.state.buffers[0].data_ptr()
     k1, v1 = kv(1, batch=3, seed=1)
     out_k, out_v = layer.update(k1, v1)
-    assert layer._store[0].data_ptr() == ptr
+    assert layer.state.buffers[0].data_ptr() == ptr
     assert torch.equal(out_k, torch.cat([k[beam], k1], -2).half().float())
     assert torch.equal(out_v, torch.cat([v[beam], v1], -2).half().float())
     layer.batch_select_indices(torch.tensor([1]))
@@ -239,8 +240,8 @@ def test_a_deep_copy_owns_its_buffers():
     fork = copy.deepcopy(cache)
     for layer, copied in zip(cache.layers, fork.layers, strict=True):
         assert torch.equal(copied.keys, layer.keys) and copied.reserved_bytes() == layer.reserved_bytes()
-        assert copied.keys.untyped_storage().data_ptr() == copied._store[0].data_ptr()  # still a view of it
-        assert copied._store[0].data_ptr() != layer._store[0].data_ptr()
+        assert copied.keys.untyped_storage().data_ptr() == copied.state.buffers[0].data_ptr()  # still a view of it
+        assert copied.state.buffers[0].data_ptr() != layer.state.buffers[0].data_ptr()
     k1, v1 = kv(1, seed=1)
     k2, v2 = kv(1, seed=2)
     for i in range(2):
@@ -269,13 +270,13 @@ def test_the_cpu_kernel_reads_the_view_in_place(window):
     require_kernels_cpu()
     from kernels_cpu import ops
 
-    layer = Fp16Layer(backend="cpu", block=8, window=window)
+    layer = Fp16Layer(backend=get_backend("cpu"), block=8, window=window)
     q = torch.randn(1, 4, 1, 4, generator=torch.Generator().manual_seed(3))
     layer.update(*kv(5))
     for i in range(9):
         layer.update(*kv(1, seed=i + 1))
-        keys, values = layer._attend_kv
-        assert keys.data_ptr() >= layer._store[0].data_ptr() and not keys.is_contiguous()
+        keys, values = layer.state.step
+        assert keys.data_ptr() >= layer.state.buffers[0].data_ptr() and not keys.is_contiguous()
         want = ops.attend_fp16(q, keys.contiguous(), values.contiguous()).transpose(1, 2)
         got, _ = layer.attend(None, q, None)
         assert torch.equal(got, want)

@@ -9,11 +9,12 @@ from test_kivi import (
     real_error,
 )
 
-import kvquant.methods.gear as gear
+import kvquant.formats.gear as gear_format
 from kvquant import get_method
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
-from kvquant.methods.gear import GearLayer, GearMethod, low_rank, outlier_count
+from kvquant.formats.gear import low_rank, outlier_count
+from kvquant.methods.gear import GearLayer, GearMethod
 from kvquant.quant.integer import quantize
 
 SMOLLM2 = KVGeometry(n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64)
@@ -55,7 +56,7 @@ def test_presets_and_parameters():
         "rank_decode": 2,
         "loops": 3,
         "seed": 0,
-        "backend": "torch",
+        "backend": "auto",
     }
     assert get_method("gear4").bits == 4 and get_method("gear_l4").bits == 4
     assert "outlier_ratio" not in get_method("gear_l2").params() and get_method("gear_l2").outlier_ratio == 0.0
@@ -152,7 +153,7 @@ def test_streaming_compresses_each_block_once(monkeypatch):
         calls.append((axis, x.shape[2]))
         return quantize(x, bits, axis, group_size, mask)
 
-    monkeypatch.setattr(gear, "quantize", counting)
+    monkeypatch.setattr(gear_format, "quantize", counting)
     layer = gear_layer(bits=2, group_size=64, residual=128)
     x = structured(1, 2, 530, 64)
     layer.update(x[:, :, :300], x[:, :, :300])
@@ -245,7 +246,7 @@ def test_batch_selection_equals_the_cache_of_the_selected_rows(stories, name):
     """Outlier positions count within their own (batch row, head) history: a reorder keeps them valid."""
     model, _ = stories
     method = get_method(name, group_size=8, residual=32)
-    check_selection_equals_rebuild(model, method)
+    check_selection_equals_rebuild(model, method.on_backend("torch"))
     cache = method.new_cache(model)
     cache.update(torch.randn(3, 4, 100, 8), torch.randn(3, 4, 100, 8), 0)
     store = cache.layers[0].k_stream.store
@@ -255,8 +256,8 @@ def test_batch_selection_equals_the_cache_of_the_selected_rows(stories, name):
 def test_dropping_whole_segments_keeps_the_rest_exact():
     """A sliding layer's GEAR store forgets whole segments (codes, outliers, factors together); what
     stays reads back exactly as the same tokens did before, positions of the outliers shifted."""
-    from kvquant.methods.gear import GearStore
-    from kvquant.methods.window import CHANNEL_AXIS, TOKEN_AXIS
+    from kvquant.formats.gear import GearStore
+    from kvquant.formats.window import CHANNEL_AXIS, TOKEN_AXIS
 
     for axis in (TOKEN_AXIS, CHANNEL_AXIS):
         store = GearStore(GearMethod(bits=2, group_size=8, residual=16), axis, 8)

@@ -8,8 +8,6 @@ own ``AquaKVCache``, on real K/V of stories260k and on random K/V in SmolLM2's a
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import transformers as T
@@ -18,16 +16,25 @@ from test_kernels_cpu import reference
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import kernels_cpu
+from kernels_cpu.backend import higgs_tensors
 from kvquant import get_method
 from kvquant.attention import capture_attention_inputs
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
-from kvquant.methods.aquakv.cache import AquaKVCache, AquaKVLayer
+from kvquant.formats.higgs import AquaKVState
+from kvquant.methods.aquakv.cache import AquaKVCache
+from kvquant.methods.aquakv.layer import AquaKVLayer
 from kvquant.quant.higgs import Higgs
 
 # fp32 sums over up to ~1000 keys and a 1024-point rotation, against fp64 over the torch path's own
 # fp32 reconstruction: measured differences are below 2e-6 on outputs of magnitude 1-3.
 RTOL, ATOL = 1e-4, 2e-5
+
+
+def higgs_args(layer: AquaKVLayer) -> dict:
+    """``attend_higgs``' arguments for a layer's state, its RoPE inputs as a kernel step sets them."""
+    layer.state.rope = layer.kernel_rope()
+    return higgs_tensors(layer.state)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -85,11 +92,11 @@ def test_kernel_matches_the_torch_path(built, threads, case):
         k, v = cache.update(torch.randn(b, hkv, 1, d) + shift, torch.randn(b, hkv, 1, d), 0)
     layer, length = cache.layers[0], k.shape[2]
     assert (layer.n_codes > 0) == (prefill + steps > sink + window)
-    args = kernels_cpu.higgs_tensors(layer)
+    args = higgs_args(layer)
     routes = [args]
     if layer.n_codes:  # RoPE from the positions (transformers' Llama module is the formula), and from tables
         assert args["positions"] is not None and args["cos"] is None
-        cos, sin = cache.quantized_rope(0, layer.code_lo, layer.n_codes)
+        cos, sin = cache.quantized_rope(0, layer.state.code_lo, layer.n_codes)
         routes.append({**args, "positions": None, "inv_freq": None, "cos": cos, "sin": sin})
     for q_len in (1, 4):
         q = torch.randn(b, hq, q_len, d)
@@ -116,7 +123,7 @@ def test_keys_coded_after_rope_match_the_torch_path(built, threads, case):
         k, v = cache.update(torch.randn(b, hkv, 1, d) + shift, torch.randn(b, hkv, 1, d), 0)
     layer, length = cache.layers[0], k.shape[2]
     assert layer.n_codes > 0 and cache.positions is None
-    args = kernels_cpu.higgs_tensors(layer)
+    args = higgs_args(layer)
     assert args["post_rope"] and args["cos"] is None and "positions" not in args
     for rotated in (None, True, False):
         for q_len in (1, 4):
@@ -142,7 +149,7 @@ def test_rope_from_positions_holds_at_large_positions(built, start):
     b, n = 2, 200
     positions = start + torch.arange(n).expand(b, n) + torch.tensor([[0], [7]])
     k, v = cache.update(torch.randn(b, 2, n, 64), torch.randn(b, 2, n, 64), 0, {"position_ids": positions})
-    args = kernels_cpu.higgs_tensors(cache.layers[0])
+    args = higgs_args(cache.layers[0])
     assert torch.equal(args["positions"], positions[:, 4:-8].int())
     q = torch.randn(b, 4, 1, 64)
     assert_close(kernels_cpu.attend_higgs(q, **args), reference(q, k, v))
@@ -164,7 +171,7 @@ def test_rope_tables_are_read_where_the_module_is_not_the_formula(built):
     plain = higgs_cache(3, 64, 2, 1024, 4, 8)
     cache = AquaKVCache(plain.layers, Stretched(plain.rotary), None)
     k, v = cache.update(torch.randn(1, 3, 100, 64), torch.randn(1, 3, 100, 64), 0)
-    args = kernels_cpu.higgs_tensors(cache.layers[0])
+    args = higgs_args(cache.layers[0])
     assert cache.rope_formula(0) is None and args["cos"] is not None and "positions" not in args
     q = torch.randn(1, 9, 1, 64)
     assert_close(kernels_cpu.attend_higgs(q, **args), reference(q, k, v))
@@ -182,7 +189,7 @@ def test_kernel_matches_the_torch_path_on_stories260k(built, stories, bits):
     pads = [n - len(r) for r in rows]
     ids = torch.stack([torch.cat([torch.zeros(p, dtype=torch.long), r]) for p, r in zip(pads, rows, strict=True)])
     attn = (torch.arange(n)[None] >= torch.tensor(pads)[:, None]).long()
-    method = get_method("higgs", bits=bits, window=4)
+    method = get_method("higgs", bits=bits, window=4, backend="torch")
     cache = method.new_cache(model)
     for step in range(4):
         with capture_attention_inputs(model) as calls, torch.no_grad():
@@ -193,7 +200,7 @@ def test_kernel_matches_the_torch_path_on_stories260k(built, stories, bits):
             assert layer.n_codes > 0
             q, k, v = call["query"], call["key"], call["value"]
             mask = padded_causal(2, q.shape[2], k.shape[2], pads)
-            out = kernels_cpu.attend_higgs(q, **kernels_cpu.higgs_tensors(layer), mask=mask, scaling=call["scaling"])
+            out = kernels_cpu.attend_higgs(q, **higgs_args(layer), mask=mask, scaling=call["scaling"])
             assert_close(out, reference(q, k, v, mask, scaling=call["scaling"]))
         assert step > 0 or calls[0]["query"].shape[2] == n
 
@@ -204,7 +211,7 @@ def test_kernel_matches_the_torch_path_on_smollm2(built, smollm2):
     prefill and two decode steps every layer's kernel output equals attention over the torch path's."""
     model, tok = smollm2
     ids = tok("The quick brown fox jumps over the lazy dog because", return_tensors="pt").input_ids
-    cache = get_method("higgs", window=4).new_cache(model)
+    cache = get_method("higgs", window=4, backend="torch").new_cache(model)
     for _ in range(3):
         with capture_attention_inputs(model) as calls, torch.no_grad():
             logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
@@ -212,7 +219,7 @@ def test_kernel_matches_the_torch_path_on_smollm2(built, smollm2):
         for layer, call in zip(cache.layers, calls, strict=True):
             q, k, v = call["query"], call["key"], call["value"]
             causal = padded_causal(1, q.shape[2], k.shape[2], [0])
-            args = kernels_cpu.higgs_tensors(layer)
+            args = higgs_args(layer)
             out = kernels_cpu.attend_higgs(q, **args, causal=q.shape[2] > 1, scaling=call["scaling"])
             assert_close(out, reference(q, k, v, causal, scaling=call["scaling"]))
 
@@ -275,7 +282,7 @@ def test_float_masks_query_dtype_and_rows_that_see_no_key(built):
     torch.manual_seed(7)
     cache = higgs_cache(2, 64, 2, 1024, 4, 8)
     k, v = cache.update(torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64), 0)
-    args = kernels_cpu.higgs_tensors(cache.layers[0])
+    args = higgs_args(cache.layers[0])
     q = torch.randn(1, 4, 2, 64)
     allowed = torch.rand(1, 1, 2, 90) > 0.3
     allowed[..., 1, :] = False
@@ -307,8 +314,9 @@ def sliding_model():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "auto"])
-def test_models_the_kernel_cannot_run_are_refused_or_fall_back(built, backend, capsys):
+def test_models_the_kernel_cannot_run_are_refused_or_fall_back(built, backend, capsys, monkeypatch):
     """Sliding windows: ``cpu`` is one line of error, ``auto`` the torch path with one warning line."""
+    monkeypatch.setattr("kvquant.backends._WARNED", set())  # each fallback line is said once per process
     model = sliding_model()
     method = get_method("higgs", backend=backend)
     if backend == "cpu":
@@ -320,25 +328,27 @@ def test_models_the_kernel_cannot_run_are_refused_or_fall_back(built, backend, c
     assert len(err) == 1 and "backend=auto uses torch" in err[0] and "sliding-window" in err[0]
 
 
-def test_groups_that_split_a_head_have_no_kernel_and_aquakv_has_one(built, stories, capsys):
+def test_groups_that_split_a_head_have_no_kernel_and_aquakv_has_one(built, stories, capsys, monkeypatch):
     """A HIGGS group that is not a whole number of heads: one line of error on ``cpu``. AQUA-KV's
     residual codes have their kernels (``tests/test_aquakv_kernel.py``): ``cpu`` and ``auto`` read with
     them, without a warning."""
+    monkeypatch.setattr("kvquant.backends._WARNED", set())  # each fallback line is said once per process
     model, _ = stories
     with pytest.raises(InvalidParameterError, match="backend=cpu cannot run this model: .*groups of 4 channels"):
         get_method("higgs", group=4, backend="cpu").new_cache(model)
-    assert get_method("higgs").new_cache(model).backend == "torch"
+    assert get_method("higgs", group=4).new_cache(model).backend == "torch"
+    assert "groups of 4 channels" in capsys.readouterr().err
     geometry = KVGeometry.of(model.config)
     for backend in ("cpu", "auto"):
         method = get_method("aquakv", backend=backend)
-        assert method.resolve_backend(model, geometry, method.quantizers(geometry)[method.bits]) == "cpu"
+        assert method.resolve(model, geometry, method.rule(geometry)).name == "cpu"
     assert capsys.readouterr().err == ""
 
 
 def test_bad_arguments_raise_one_line(built):
     cache = higgs_cache(2, 8, 2, 16, 4, 4)
     cache.update(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8), 0)
-    args = kernels_cpu.higgs_tensors(cache.layers[0])
+    args = higgs_args(cache.layers[0])
     q = torch.randn(1, 4, 1, 8)
     with pytest.raises(RuntimeError, match="not a multiple of head_dim"):
         kernels_cpu.attend_higgs(q, **{**args, "group": 12})
@@ -348,16 +358,16 @@ def test_bad_arguments_raise_one_line(built):
         kernels_cpu.attend_higgs(q, **{**args, "positions": None, "inv_freq": None})
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
         kernels_cpu.attend_higgs(torch.randn(1, 3, 1, 8), **args)
-    layer = SimpleNamespace(pred_k=object(), pred_v=None)
+    residual = AquaKVState(cache.layers[0].quant, 4, 4)
     with pytest.raises(ValueError, match="predictor residual"):
-        kernels_cpu.higgs_tensors(layer)
+        higgs_tensors(residual)
 
 
 def test_geometry_of_the_shipped_models_is_read_whole(stories):
     """stories260k (4 x 8 channels) and SmolLM2 (3 x 64) each code one group of whole heads."""
     model, _ = stories
     geometry = KVGeometry.of(model.config)
-    quant = get_method("higgs").quantizers(geometry)[2]
+    quant = get_method("higgs", backend="torch").quantizers(geometry)[2]
     assert quant.group % geometry.head_dim == 0 and quant.outer.shape == (1, 1)
     smol = Higgs(3 * 64, 2)
     assert smol.group == 192 and smol.outer.shape == (12, 12) and smol.padded_group == 192

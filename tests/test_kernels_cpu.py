@@ -8,6 +8,7 @@ yet (about 1.5 min on 2 cores); if the build fails, every kernel test is skipped
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -18,6 +19,7 @@ import torch
 
 import kernels_cpu
 from kernels_cpu import loader
+from kernels_cpu.backend import gear_tensors, kivi_tensors
 from kvquant.cache import KVGeometry
 from kvquant.methods.base import get_method
 
@@ -103,7 +105,7 @@ def test_fp16_agrees_with_sdpa_on_the_fp16_path(built):
     torch.manual_seed(2)
     layer = fp16_store(1, 3, 1000, 64)
     q = torch.randn(1, 9, 1, 64)
-    k, v = layer.read(torch.float32)
+    k, v = layer.keys.float(), layer.values.float()
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     torch.testing.assert_close(kernels_cpu.attend_fp16(q, layer.keys, layer.values), sdpa, rtol=1e-4, atol=1e-5)
 
@@ -167,7 +169,7 @@ def test_kivi_matches_reference(built, threads, case):
     torch.manual_seed(prefill + bits)
     layer = new_layer("kivi", hq, hkv, d, bits=bits, group_size=group, residual=residual)
     k, v = run_layer(layer, b, hkv, prefill, steps, d)
-    args = kernels_cpu.kivi_tensors(layer)
+    args = kivi_tensors(layer.state)
     length = k.shape[2]
     for q_len in (1, 4) if length >= 4 else (1,):
         q = torch.randn(b, hq, q_len, d)
@@ -183,7 +185,7 @@ def test_kivi_reads_what_the_torch_path_returns_at_every_decode_step(built):
     for _ in range(40):
         k, v = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
         q = torch.randn(1, 6, 1, 16)
-        assert_close(kernels_cpu.attend_kivi(q, **kernels_cpu.kivi_tensors(layer)), reference(q, k, v))
+        assert_close(kernels_cpu.attend_kivi(q, **kivi_tensors(layer.state)), reference(q, k, v))
 
 
 # (bits, group, residual, outlier ratio, rank, rank_decode, batch, q heads, kv heads, prefill, steps, head_dim)
@@ -205,7 +207,7 @@ def test_gear_matches_reference(built, threads, case):
     params = {"bits": bits, "group_size": group, "residual": residual, "rank": rank, "rank_decode": rank_decode}
     layer = new_layer("gear", hq, hkv, d, outlier_ratio=ratio, **params)
     k, v = run_layer(layer, b, hkv, prefill, steps, d)
-    args = kernels_cpu.gear_tensors(layer)
+    args = gear_tensors(layer.state)
     if ratio:
         assert args["k_index"] is not None and args["k_index"].shape[-1] > 0
     length = k.shape[2]
@@ -224,7 +226,7 @@ def test_gear_matches_reference(built, threads, case):
 def plane_store(batch: int, kv_heads: int, length: int, head_dim: int, tiny: bool, blockwise: bool, seed: int):
     """A ``PlaneStore`` filled as ``AlignedLayer`` fills it (a prefill, then single tokens); ``tiny``
     puts zeros and values below 2^-16 in, so plane A reads as ±0 somewhere (the ±0 rule applies)."""
-    from kvquant.alignment import PlaneStore
+    from kvquant.formats.planes import PlaneStore
 
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(batch, kv_heads, length, head_dim, generator=g) * torch.rand(1, 1, 1, head_dim, generator=g) * 4
@@ -272,13 +274,12 @@ def test_planes_match_the_torch_reader(built, threads, shape, tiny):
     wv = random_widths(b, hkv, store.n_full, seed=2)
     q = torch.randn(b, hq, q_len, d, generator=torch.Generator().manual_seed(3))
     mask = causal_padding_mask(b, q_len, length, [min(i * 7, length - q_len) for i in range(b)])
-    args = kernels_cpu.plane_tensors(store)
     for k_widths, v_widths in ((wk, wv), (8, 8), (12, 16), (16, 12)):
         keys, values = store.read_keys(k_widths, torch.float32), store.read_values(v_widths, torch.float32)
-        out = kernels_cpu.attend_planes(q, **args, k_widths=k_widths, v_widths=v_widths, mask=mask)
+        out = kernels_cpu.attend_planes(q, store, k_widths=k_widths, v_widths=v_widths, mask=mask)
         assert_close(out, reference(q, keys, values, mask))
     causal = causal_padding_mask(b, q_len, length, [0] * b)
-    out = kernels_cpu.attend_planes(q, **args, k_widths=wk, v_widths=wv, causal=q_len > 1, scaling=0.2)
+    out = kernels_cpu.attend_planes(q, store, k_widths=wk, v_widths=wv, causal=q_len > 1, scaling=0.2)
     ref = reference(q, store.read_keys(wk, torch.float32), store.read_values(wv, torch.float32), causal, 0.2)
     assert_close(out, ref)
 
@@ -291,7 +292,7 @@ def test_aligned_rule_decides_the_torch_rules_widths(built, threads, shape, tiny
     the context, fractional thresholds, ``v_block`` 1 and 16, bool and additive masks; the output equals
     fp64 attention over the values read at those widths."""
     from kvquant.alignment import block_widths, high_byte_values, value_widths
-    from kvquant.methods.alignedkv import _scores
+    from kvquant.formats.planes import scores as _scores
 
     b, hq, hkv, q_len, length, d, blockwise = shape
     store = plane_store(b, hkv, length, d, tiny, blockwise, seed=length + d)
@@ -313,7 +314,7 @@ def test_aligned_rule_decides_the_torch_rules_widths(built, threads, shape, tiny
         expected = block_widths(paper, v_block)
         out, wv = kernels_cpu.attend_aligned(
             q,
-            **kernels_cpu.plane_tensors(store),
+            store,
             k_widths=wk,
             v8=v8,
             v_thresholds=thresholds,
@@ -327,16 +328,14 @@ def test_aligned_rule_decides_the_torch_rules_widths(built, threads, shape, tiny
     assert nb == 0 or len(seen) >= 2
     if q_len > 1:
         with pytest.raises(RuntimeError, match="a multi-token step needs its mask"):
-            kernels_cpu.attend_aligned(
-                q, **kernels_cpu.plane_tensors(store), k_widths=wk, v8=v8, v_thresholds=(4, 8), topk=32
-            )
+            kernels_cpu.attend_aligned(q, store, k_widths=wk, v8=v8, v_thresholds=(4, 8), topk=32)
 
 
 def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
     """All 63,488 finite fp16 patterns as values (31 whole blocks of 32 channels) at 8, 12 and 16 bits,
     each query row seeing one value: the output is that value as the kernel read it, bit for bit."""
-    from kvquant.alignment import PlaneStore
     from kvquant.bits import bits_to_fp16
+    from kvquant.formats.planes import PlaneStore
 
     patterns = torch.arange(1 << 16, dtype=torch.int32)
     values = bits_to_fp16(patterns[((patterns >> 10) & 0x1F) != 31]).view(1, 1, -1, 32)
@@ -346,9 +345,7 @@ def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
     assert store.n_full == n and store.tiny_v
     mask = torch.eye(n, dtype=torch.bool)[None, None]  # query row i sees value i only
     for width in (8, 12, 16):
-        out = kernels_cpu.attend_planes(
-            torch.zeros(1, 1, n, 32), **kernels_cpu.plane_tensors(store), k_widths=width, v_widths=width, mask=mask
-        )
+        out = kernels_cpu.attend_planes(torch.zeros(1, 1, n, 32), store, k_widths=width, v_widths=width, mask=mask)
         assert torch.equal(out, store.read_values(width, torch.float32))
 
 
@@ -391,14 +388,13 @@ def test_fp16_kernel_truncates_as_kvquant_bits(built, threads, keep):
 
 def test_planes_bad_arguments_raise_one_line(built):
     store = plane_store(1, 2, 130, 16, False, False, seed=0)
-    args = kernels_cpu.plane_tensors(store)
     q = torch.randn(1, 4, 1, 16)
     with pytest.raises(RuntimeError, match="widths 8, 12 or 16"):
-        kernels_cpu.attend_planes(q, **args, k_widths=10, v_widths=8)
+        kernels_cpu.attend_planes(q, store, k_widths=10, v_widths=8)
     with pytest.raises(RuntimeError, match="widths 8, 12 or 16"):
-        kernels_cpu.attend_planes(q, **args, k_widths=8, v_widths=torch.full((1, 2, 128), 9))
+        kernels_cpu.attend_planes(q, store, k_widths=8, v_widths=torch.full((1, 2, 128), 9))
     with pytest.raises(RuntimeError, match="must hold 128 tokens"):
-        kernels_cpu.attend_planes(q, **{**args, "v_a": args["v_a"][:, :, :64]}, k_widths=8, v_widths=8)
+        kernels_cpu.attend_planes(q, dataclasses.replace(store, v_a=store.v_a[:, :, :64]), k_widths=8, v_widths=8)
     with pytest.raises(RuntimeError, match="keep_bits must be in 6..16"):
         kernels_cpu.attend_fp16(q, store.tail_k, store.tail_v, keep_bits=5)
 
@@ -457,4 +453,4 @@ def test_registers_with_the_backend_seam():
         and cpu.formats == {"fp16", "kivi", "gear", "planes", "higgs", "aquakv"}
     )
     assert cpu.status() == kernels_cpu.status()
-    assert cpu.ops.attend_kivi is kernels_cpu.attend_kivi and cpu.ops.attend_planes is kernels_cpu.attend_planes
+    assert set(cpu.ops.ATTEND) == cpu.formats  # the protocol's attend for every format it declares

@@ -66,12 +66,13 @@ def test_sources_are_self_contained_after_inlining_the_header():
         assert "#include" not in text and HEADER not in text.split("\n", 1)[0]
 
 
-def test_plane_store_follows_the_backend():
-    from kernels_cupy.store import KernelPlaneStore, plane_store
-    from kvquant.alignment import PlaneStore
+def test_the_backend_gives_layers_its_plane_store():
+    from kernels_cupy.store import KernelPlaneStore
+    from kvquant.backends import TORCH, get_backend
+    from kvquant.formats.planes import PlaneStore
 
-    assert type(plane_store("torch", False)) is PlaneStore
-    store = plane_store("cupy", True)
+    assert type(TORCH.new_state(PlaneStore, block_exponents=False)) is PlaneStore
+    store = get_backend("cupy").new_state(PlaneStore, block_exponents=True)
     assert isinstance(store, KernelPlaneStore) and store.block_exponents
 
 
@@ -159,8 +160,8 @@ def test_append_refuses_what_the_model_path_refuses():
     """NaN, ±inf and values beyond fp16's range: the model path refuses them before storing (a plane
     read would turn inf into NaN); the kernels' append refuses them first too, leaving the store untouched."""
     from kernels_cupy.ops import append, check_storable
-    from kvquant.alignment import PlaneStore
     from kvquant.errors import KvquantError
+    from kvquant.formats.planes import PlaneStore
 
     k, v, _ = random_kv(1, 2, 2, 16, 10)
     for what, bad in [("key", math.inf), ("key", -math.inf), ("value", math.nan), ("value", 65520.0)]:
@@ -261,7 +262,7 @@ def random_kv(b, hq, hkv, d, n, seed=0, dtype=torch.float16, q_len=1):
 
 
 def cpu_store(k, v, block_exponents, chunks):
-    from kvquant.alignment import PlaneStore
+    from kvquant.formats.planes import PlaneStore
 
     store = PlaneStore(block_exponents=block_exponents)
     for start, stop in chunks:
@@ -318,15 +319,15 @@ def output_bound(scores, values, logit_err, q_len):
 @pytest.mark.parametrize("block_exponents", [False, True])
 @pytest.mark.parametrize("shape", SHAPES[:7])
 def test_append_writes_the_plane_store_layout(shape, block_exponents):
-    from kernels_cupy.store import plane_store
-    from kvquant.alignment import PlaneStore
+    from kernels_cupy.store import KernelPlaneStore
+    from kvquant.formats.planes import PlaneStore
 
     b, hq, hkv, d, n = shape
     k, v, _ = random_kv(b, hq, hkv, d, n, seed=1)
     head = min(n, 100)
     chunks = [(0, head)] + [(i, min(n, i + 37)) for i in range(head, n, 37)]
     want = cpu_store(k, v, block_exponents, chunks)
-    got = plane_store("cupy", block_exponents)  # a KernelPlaneStore: its append is the pack kernel
+    got = KernelPlaneStore(block_exponents=block_exponents)  # its append is the pack kernel
     for start, stop in chunks:
         got.append(k[:, :, start:stop].cuda(), v[:, :, start:stop].cuda())
     for f in dataclasses.fields(PlaneStore):
@@ -423,26 +424,22 @@ def test_16_bit_control_reads_every_plane(shape):
 
 
 @gpu_test
-def test_attend_is_the_layers_output_format():
-    """``attend`` (what AlignedLayer.attend calls): ``aligned_attention`` at the method's thresholds, shaped as SDPA."""
-    from types import SimpleNamespace
-
-    from kernels_cupy.ops import aligned_attention, attend
+def test_backend_attend_applies_the_rule():
+    """The backend protocol (what ``KVLayer.attend`` calls): ``aligned_attention`` at the rule's tiers (the
+    margin added), in the query's dtype, and the widths it read."""
+    from kernels_cupy.backend import attend
+    from kernels_cupy.ops import aligned_attention
+    from kvquant.formats.planes import AlignedRule
 
     b, hq, hkv, d, n = 2, 8, 2, 64, 200
     k, v, q = random_kv(b, hq, hkv, d, n, seed=9)
     store = to_device(cpu_store(k, v, True, chunks_for(n)), "cuda")
-    method = SimpleNamespace(
-        k_thresholds=(4, 8),
-        v_thresholds=(1, 2),
-        topk=16,
-        blockwise=True,
-        thresholds_for=lambda t, n: (t[0] + 1, t[1] + 1),
-    )
-    out, wk, wv = attend(method, store, q.cuda(), None, d**-0.5)
+    rule = AlignedRule(k_thresholds=(4, 8), v_thresholds=(1, 2), topk=16, blockwise=True, margin=1.0)
+    out, reads = attend(store, rule, q.cuda(), None, d**-0.5)
     want, want_wk, want_wv = aligned_attention(store, q.cuda(), None, d**-0.5, (5, 9), (2, 3), 16, True)
-    assert out.dtype == q.dtype and out.shape == (b, 1, hq, d)
-    assert torch.equal(out, want.half().transpose(1, 2)) and torch.equal(wk, want_wk) and torch.equal(wv, want_wv)
+    assert out.dtype == q.dtype and out.shape == (b, hq, 1, d)
+    assert torch.equal(out, want.to(q.dtype))
+    assert torch.equal(reads.k_widths, want_wk) and torch.equal(reads.v_widths, want_wv)
 
 
 @gpu_test
@@ -471,8 +468,8 @@ def test_real_captured_kv(request):
     pytest.importorskip("transformers", reason="the stories fixture loads the model with transformers")
     from kernels_cupy.ops import aligned_attention, append
     from kernels_cupy.reference import reference_attention
-    from kvquant.alignment import PlaneStore
     from kvquant.analysis.capture import capture_kv
+    from kvquant.formats.planes import PlaneStore
 
     try:
         model, tok = request.getfixturevalue("stories")
@@ -507,7 +504,7 @@ def test_append_copies_odd_offset_inputs_and_owns_its_tails(n):
     and SV's 8/16-byte tail loads see aligned copies, and the tails never alias the caller's tensors."""
     from kernels_cupy.ops import ALIGN, aligned_attention, append
     from kernels_cupy.reference import reference_attention
-    from kvquant.alignment import PlaneStore
+    from kvquant.formats.planes import PlaneStore
 
     b, hq, hkv, d = 1, 4, 2, 64
     k, v, q = random_kv(b, hq, hkv, d, n, seed=11)

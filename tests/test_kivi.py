@@ -7,7 +7,7 @@ from conftest import assert_follows_fp16
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvquant.methods.kivi as kivi
+import kvquant.formats.codes as codes
 from kvquant import get_method
 from kvquant.cache import KVCache, KVGeometry
 from kvquant.errors import InvalidParameterError
@@ -82,14 +82,14 @@ def test_presets_are_registry_names_and_record_their_parameters():
         "bits": 2,
         "group_size": None,
         "residual": 128,
-        "backend": "torch",
+        "backend": "auto",
     }
     assert get_method("kivi4").bits == 4
     assert get_method("kivi", bits=8, residual=64).params() == {
         "bits": 8,
         "group_size": None,
         "residual": 64,
-        "backend": "torch",
+        "backend": "auto",
     }
     assert get_method("kivi4").with_params(bits=8).name == "kivi4"
 
@@ -160,7 +160,7 @@ def test_decode_quantizes_only_what_leaves_the_window(monkeypatch):
         calls.append((axis, x.shape[2]))
         return quantize(x, bits, axis, group_size, mask)
 
-    monkeypatch.setattr(kivi, "quantize", counting)
+    monkeypatch.setattr(codes, "quantize", counting)
     layer = kivi_layer(bits=2, group_size=8, residual=32)
     layer.update(torch.randn(1, 3, 75, 16), torch.randn(1, 3, 75, 16))
     assert sorted(calls) == [(2, 64), (3, 43)]  # prefill: two whole key blocks; values beyond the window
@@ -389,7 +389,7 @@ def test_beam_search_with_default_parameters(stories, name):
 @pytest.mark.numerics
 @pytest.mark.parametrize("name", ["kivi2", "kivi4"])
 def test_batch_selection_equals_the_cache_of_the_selected_rows(stories, name):
-    check_selection_equals_rebuild(stories[0], get_method(name, residual=32))
+    check_selection_equals_rebuild(stories[0], get_method(name, residual=32, backend="torch"))
 
 
 def test_repeat_interleave_and_offload_map_every_tensor():
@@ -405,15 +405,17 @@ def test_repeat_interleave_and_offload_map_every_tensor():
 
 
 @pytest.mark.parametrize("name", ["kivi2", "gear2", "gear_l2"])
-def test_crop_is_one_clear_line(name):
+def test_crop_takes_back_the_window_and_is_one_line_beyond(name):
     from kvquant.cache import CropError
 
     cache = get_method(name, group_size=8, residual=16).new_cache(fake_model())
     cache.crop(-3)  # nothing held yet: nothing to refuse
     cache.update(torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64), 0)
-    with pytest.raises(CropError) as e:
-        cache.crop(-3)
-    assert "\n" not in str(e.value) and cache.get_seq_length() == 40
+    cache.crop(-3)  # keys leave in blocks of 16: the key window holds the newest 8, the value window 16
+    assert cache.get_seq_length() == 37 and cache.layers[0].state.newest_fp16() == 5
+    with pytest.raises(CropError, match="only 5 are still held in the fp16 window") as e:
+        cache.crop(-6)
+    assert "\n" not in str(e.value) and cache.get_seq_length() == 37
 
 
 @pytest.mark.parametrize("chunks", [(150, 1, 1, 1), (40, 40, 40, 30, 1, 1), (20,) * 8])

@@ -49,7 +49,7 @@ def test_a_read_path_that_dequantizes_the_history_shows_in_the_step_peak(stories
     require_kernels_cpu()
     model, tok = stories
     geometry = model.config
-    torch_path = get_method("kivi2", group_size=8, residual=16)
+    torch_path = get_method("kivi2", group_size=8, residual=16, backend="torch")
     kernel = get_method("kivi2", group_size=8, residual=16, backend="cpu")
     cache_t, token = prefilled(model, tok, torch_path)
     cache_k, _ = prefilled(model, tok, kernel)
@@ -63,7 +63,7 @@ def test_a_read_path_that_dequantizes_the_history_shows_in_the_step_peak(stories
 
 def test_fp16_holds_its_bytes_plus_growth_slack_only(stories):
     model, tok = stories
-    cache, token = prefilled(model, tok, get_method("fp16"))
+    cache, token = prefilled(model, tok, get_method("fp16", backend="torch"))
     step_peak(model, cache, token)
     stored = cache.stats()["bytes"]
     reserved = sum(layer.reserved_bytes() for layer in cache.layers)

@@ -19,12 +19,15 @@ def results_files(tmp_path):
 
 
 def test_run_writes_results_then_skips_then_reruns(tmp_path):
+    from conftest import require_kernels_cpu
+
+    require_kernels_cpu()
     first = run_cli(tmp_path, *FAST, "method=fp16", "task=tinystories", "task.limit=5")
     assert first.returncode == 0, first.stderr
     [path] = results_files(tmp_path)
     data = json.loads(path.read_text())
     assert data["model"]["name"] == "stories260k"
-    assert data["method"] == {"name": "fp16", "backend": "torch", "backend_used": "torch"}
+    assert data["method"] == {"name": "fp16", "backend": "auto", "backend_used": "cpu"}  # a newcomer gets the kernels
     assert data["task"]["limit"] == 5 and data["task"]["chunk_size"] == 32
     assert data["bits"]["stored"] == 16.0 and data["memory"]["kv_bytes"] == data["memory"]["kv_bytes_fp16"]
     assert 3.0 < data["metrics"]["ppl"] < 6.0

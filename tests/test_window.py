@@ -8,7 +8,9 @@ import torch
 from kvquant import get_method, method_names
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
-from kvquant.methods.window import Window, WindowedMethod, whole_bit_widths
+from kvquant.formats.base import whole_bit_widths
+from kvquant.formats.window import Window
+from kvquant.methods.window import WindowedMethod
 
 
 def tokens(n: int, start: int = 0) -> torch.Tensor:
@@ -161,9 +163,10 @@ def test_prompt_chunks_on_the_kernel_backend_attend_as_the_torch_path_does(stori
 
 
 @pytest.mark.parametrize("backend", ["cpu", "auto"])
-def test_models_the_kernels_cannot_run_are_refused_or_fall_back(backend, capsys):
+def test_models_the_kernels_cannot_run_are_refused_or_fall_back(backend, capsys, monkeypatch):
     """Sliding windows and soft-capped logits: ``cpu`` is one line of error, ``auto`` the torch path
     with one warning line."""
+    monkeypatch.setattr("kvquant.backends._WARNED", set())  # each fallback line is said once per process
     from conftest import require_kernels_cpu
 
     require_kernels_cpu()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvquant.attention import READER_ATTR
+from kvquant.attention import take_reader
 
 SHAPES = {  # name: (query heads, KV heads, head_dim)
     "smollm2_135m": (9, 3, 64),
@@ -132,7 +132,7 @@ def decode_step_time(
             before = _bits(layer.counts()) if method is not None else (0.0, 0)
             start = time.perf_counter()
             k, v = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
-            reader = getattr(k, READER_ATTR, None)  # a layer that reads inside attention
+            reader = take_reader(k)  # a layer that reads inside attention
             if reader is not None:
                 reader.attend(module, query, None, scaling=scaling)
             else:

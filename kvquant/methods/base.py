@@ -13,7 +13,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from kvquant.backends import TORCH, Backend, resolve_backend, warn_once
 from kvquant.cache import KVCache, KVGeometry, KVLayer
+from kvquant.errors import InvalidParameterError
 from kvquant.registry import Registry, import_submodules, init_params
 
 
@@ -29,6 +31,8 @@ class KVMethod(ABC):
     name: ClassVar[str] = ""
     #: the attention function this method's layers need (``kvquant.attention.NAME``) or None (stock)
     attention: ClassVar[str | None] = None
+    #: the storage format its layers hold (``kvquant.formats``), by which backends name their kernels
+    format: ClassVar[str] = ""
 
     @abstractmethod
     def new_layer(self, layer_idx: int, geometry: KVGeometry) -> KVLayer:
@@ -56,6 +60,30 @@ class KVMethod(ABC):
             yield model
         finally:
             restore_attention(model, previous)
+
+    def rule(self, geometry: KVGeometry | None = None) -> Any:
+        """How this method's layers read their state on ``geometry`` (a frozen object every backend takes;
+        ``kvquant.formats``), or None where they read everything they hold as stored."""
+        return None
+
+    def resolve(self, model: Any, geometry: KVGeometry, rule: Any = None) -> Backend:
+        """The backend this method's cache for ``model`` reads with (``kvquant.backends.resolve_backend``
+        on its ``backend`` parameter, ``torch`` where it has none), the model's attention routed to it
+        when it reads inside attention."""
+        from kvquant.attention import NAME, routable, route_attention
+
+        requested = getattr(self, "backend", "torch")
+        backend = resolve_backend(requested, getattr(model, "device", None), self.format, geometry, rule)
+        if backend.materializes:
+            return backend
+        if not routable(model):  # kernels read inside attention: a model that cannot route has none
+            lacks = f"{type(model).__name__} does not route its attention through transformers' AttentionInterface"
+            if requested != "auto":
+                raise InvalidParameterError(f"backend={requested} cannot run this model: {lacks}; use backend=torch")
+            warn_once(f"warning: backend=auto uses torch: {lacks}")
+            return TORCH
+        route_attention(model, NAME)
+        return backend
 
     def params(self) -> dict[str, Any]:
         """The parameters, as recorded in results.json (and as ``conf/method/<name>.yaml`` sets them)."""

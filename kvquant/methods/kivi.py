@@ -31,49 +31,15 @@ The window, the read counting and the parameters KIVI shares with GEAR live in
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
+from kvquant.backends import TORCH, Backend
 from kvquant.cache import KVGeometry
 from kvquant.errors import InvalidParameterError
+from kvquant.formats.codes import CodesState, QuantStore
+from kvquant.formats.window import CHANNEL_AXIS, TOKEN_AXIS, Stream
 from kvquant.methods.base import register_method
-from kvquant.methods.window import CHANNEL_AXIS, TOKEN_AXIS, Stream, WindowedLayer, WindowedMethod
-from kvquant.quant.integer import QuantizedTensor, cat, dequantize, drop_leading, quantize
-
-
-class QuantStore:
-    """KIVI's compressed part: one growing ``QuantizedTensor`` (codes, scales, zeros)."""
-
-    def __init__(self, bits: int, axis: int, group_size: int):
-        self.bits, self.axis, self.group_size = bits, axis, group_size
-        self.unit = group_size if axis == TOKEN_AXIS else 1  # a key group spans tokens
-        self.q: QuantizedTensor | None = None
-        self.length = 0
-
-    def add(self, x: torch.Tensor, decode: bool) -> None:
-        new = quantize(x, self.bits, self.axis, self.group_size)
-        self.q = new if self.q is None else cat([self.q, new], dim=TOKEN_AXIS)
-        self.length += x.shape[TOKEN_AXIS]
-
-    def drop(self, n: int) -> int:
-        m = min(n, self.length) // self.unit * self.unit
-        if m:
-            self.q = drop_leading(self.q, TOKEN_AXIS, m) if m < self.length else None
-            self.length -= m
-        return m
-
-    def read_into(self, out: torch.Tensor) -> None:
-        if self.q is not None:
-            dequantize(self.q, out=out)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return self.q.tensors() if self.q is not None else []
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.q is not None:
-            self.q = self.q.map(fn)
+from kvquant.methods.window import WindowedLayer, WindowedMethod
 
 
 class KiviLayer(WindowedLayer):
@@ -81,11 +47,11 @@ class KiviLayer(WindowedLayer):
 
     params: KiviMethod
 
-    def new_streams(self) -> tuple[Stream, Stream]:
+    def new_state(self) -> CodesState:
         bits, residual, g = self.params.bits, self.params.residual, self.group_size
         keys = Stream(QuantStore(bits, TOKEN_AXIS, g), residual, block=residual)
         values = Stream(QuantStore(bits, CHANNEL_AXIS, g), residual, block=None)
-        return keys, values
+        return CodesState(keys, values, bits, g)
 
 
 def kivi_fp16_tokens(context: int, residual: int) -> tuple[int, int]:
@@ -104,7 +70,7 @@ class KiviMethod(WindowedMethod):
     default_group_size = 32
     family = "kivi"
 
-    def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: str = "torch") -> KiviLayer:
+    def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: Backend = TORCH) -> KiviLayer:
         return KiviLayer(layer_idx, self, self.group_size_for(geometry.head_dim), geometry.window(layer_idx), backend)
 
     def analytic_bits(self, geometry: KVGeometry | None = None, context: int | None = None) -> float:

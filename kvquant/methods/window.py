@@ -1,18 +1,9 @@
-"""The fp16 window of the newest tokens (and attention sinks) that KIVI, GEAR, HIGGS and AQUA-KV keep
-in front of their compressed history, and how a read of it is counted.
+"""What KIVI and GEAR share: an fp16 window of the newest tokens in front of codes, K and V apart.
 
-Not a method (nothing here registers): the shared plumbing those methods build on.
-
-- ``Window``: one of K or V in fp16 — the first ``sink`` tokens kept for good and a window of the
-  newest; ``push`` appends tokens and hands back the oldest ones that leave it (one at a time, or in
-  whole blocks), which the method then compresses.
-- ``Window.read_widths``: what one attention pass reads — every compressed byte spread over the
-  compressed elements as whole-bit widths with the exact total (``whole_bit_widths``), the fp16
-  tokens at 16 bits.
-- ``Stream`` / ``WindowedLayer``: a window in front of a per-stream compressed ``Store``, K and V
-  apart (KIVI, GEAR; AQUA-KV compresses K and V jointly and uses ``Window`` directly).
-- ``WindowedMethod``: the parameters KIVI and GEAR share (``bits``, ``group_size``, ``residual``),
-  validated once, and the model-dependent default group size.
+Not a method (nothing here registers): ``WindowedLayer`` holds a ``kvquant.formats.codes.CodesState``
+(two ``Stream``s: ``kvquant.formats.window``) and ``WindowedMethod`` the parameters both methods take
+(``bits``, ``group_size``, ``residual``, ``backend``), validated once, with the model-dependent
+default group size.
 
 Default group sizes. ``group_size = None`` means the paper's default (``default_group_size``: 32
 for KIVI, 64 for GEAR) adapted to the model: the largest divisor of the head dim that is ≤ the
@@ -26,33 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
-from kvquant.attention import resolve_kernels, stock_attention, tagged_placeholder
-from kvquant.backends import check_backend, get_backend
-from kvquant.cache import KVCache, KVGeometry, KVLayer, nbytes, whole_bit_widths
+from kvquant.attention import stock_attention
+from kvquant.backends import TORCH, Backend, check_backend
+from kvquant.cache import CropError, KVCache, KVGeometry, KVLayer
 from kvquant.errors import InvalidParameterError, KvquantError
+from kvquant.formats.codes import CodesState
+from kvquant.formats.window import TOKEN_AXIS, Stream
 from kvquant.methods.base import KVMethod
 
-TOKEN_AXIS = 2
-CHANNEL_AXIS = 3
-PROMPT_QUERIES = 16  # queries in one forward from which a chunk is a prompt chunk (attend dequantizes once)
-
-__all__ = [
-    "CHANNEL_AXIS",
-    "TOKEN_AXIS",
-    "NonFiniteKVError",
-    "Store",
-    "Stream",
-    "Window",
-    "WindowedLayer",
-    "WindowedMethod",
-    "check_divides",
-    "check_finite",
-    "whole_bit_widths",
-]
+PROMPT_QUERIES = 16  # queries in one forward from which a chunk is a prompt chunk (attend decodes once)
 
 
 class NonFiniteKVError(KvquantError, ValueError):
@@ -77,194 +54,23 @@ def check_divides(label: str, group_size: int, head_dim: int) -> None:
         )
 
 
-class Window:
-    """One of K or V in fp16 (``[B, H, n, D]``): the first ``sink`` tokens for good, then the newest.
-
-    ``block`` None: tokens leave one at a time (the window keeps the newest ``size``); otherwise they
-    leave in whole blocks of ``block`` once it holds more than ``size`` (it keeps 1…``size``).
-    Held tensors own their storage (never views of the caller's or of a bigger buffer), so bytes
-    measured from them are the bytes held.
-    """
-
-    def __init__(self, size: int, block: int | None = None, sink: int = 0):
-        self.size, self.block, self.sink = size, block, sink
-        self.sinks: torch.Tensor | None = None
-        self.recent: torch.Tensor | None = None
-
-    def leaving(self, w: int) -> int:
-        """How many of ``w`` recent tokens leave the window."""
-        if w <= self.size:
-            return 0
-        if self.block is None:
-            return w - self.size
-        return (w - 1) // self.block * self.block
-
-    def push(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Append ``x`` (as fp16); return the oldest recent tokens that leave (fp16, in order), or None."""
-        x = x.to(torch.float16)
-        if self.sink:
-            have = 0 if self.sinks is None else self.sinks.shape[TOKEN_AXIS]
-            take = max(0, min(x.shape[TOKEN_AXIS], self.sink - have))
-            if self.sinks is None:
-                self.sinks = x[:, :, :take].clone()
-            elif take:
-                self.sinks = torch.cat([self.sinks, x[:, :, :take]], dim=TOKEN_AXIS)
-            x = x[:, :, take:]
-        if self.recent is None:
-            self.recent = x.clone()
-        else:
-            self.recent = torch.cat([self.recent, x], dim=TOKEN_AXIS)
-        n = self.leaving(self.recent.shape[TOKEN_AXIS])
-        if not n:
-            return None
-        out = self.recent[:, :, :n]
-        self.recent = self.recent[:, :, n:].clone()
-        return out
-
-    @property
-    def n_tokens(self) -> int:
-        """Tokens held in fp16 (sinks and window)."""
-        return sum(t.shape[TOKEN_AXIS] for t in self.tensors())
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.sinks, self.recent) if t is not None]
-
-    def drop(self, n: int) -> None:
-        """Forget the oldest ``n`` recent tokens (a sliding layer's tokens that left its window)."""
-        if n and self.recent is not None:
-            self.recent = self.recent[:, :, n:].clone()
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace each held tensor by ``fn(tensor)`` (all batch-first)."""
-        if self.sinks is not None:
-            self.sinks = fn(self.sinks)
-        if self.recent is not None:
-            self.recent = fn(self.recent)
-
-    def read_widths(self, n_compressed: int, compressed: list[torch.Tensor]) -> dict[int, int]:
-        """What one attention pass over this stream reads, per whole-bit width: every byte of
-        ``compressed`` (holding ``n_compressed`` tokens) and the fp16 tokens at 16 bits."""
-        if self.recent is None:
-            return {}
-        b, h, _, d = self.recent.shape
-        per_token = b * h * d
-        return whole_bit_widths(per_token * n_compressed, 8 * nbytes(compressed), per_token * self.n_tokens)
-
-
-class Store(Protocol):
-    """The compressed history of one of K or V; tokens arrive in order and are never re-compressed.
-
-    ``unit``: tokens are added and dropped in multiples of it (a key group spans ``group_size``
-    tokens); ``drop(n)`` forgets the oldest whole units among the first ``n`` tokens and says how
-    many tokens went.
-    """
-
-    length: int
-    unit: int
-
-    def add(self, x: torch.Tensor, decode: bool) -> None: ...
-
-    def drop(self, n: int) -> int: ...
-
-    def read_into(self, out: torch.Tensor) -> None: ...
-
-    def tensors(self) -> list[torch.Tensor]: ...
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
-
-
-class Stream:
-    """One of K or V: an fp16 ``Window`` of the newest ``residual`` tokens in front of a ``Store``.
-
-    On a sliding-window layer the oldest tokens are forgotten (``forget``): ``dropped`` counts them,
-    so the store's first token is token ``dropped`` of the sequence.
-    """
-
-    def __init__(self, store: Store, residual: int, block: int | None):
-        self.store = store
-        self.fp16 = Window(residual, block)
-        self.dropped = 0
-
-    @property
-    def window(self) -> torch.Tensor | None:
-        """The fp16 window (``[B, H, w, D]``), None before the first token."""
-        return self.fp16.recent
-
-    def extend(self, x: torch.Tensor, decode: bool, keep_from: int | None = None) -> None:
-        """Append ``x``; compress what leaves the window. Tokens before ``keep_from`` (which a sliding
-        layer forgets after this step) are compressed apart from the rest, so they can go whole."""
-        leaving = self.fp16.push(x)
-        if leaving is None:
-            return
-        n = leaving.shape[TOKEN_AXIS]
-        cut = 0 if keep_from is None else min(n, max(0, keep_from - self.dropped - self.store.length))
-        cut -= cut % self.store.unit
-        if 0 < cut < n:
-            self.store.add(leaving[:, :, :cut], decode)
-            leaving = leaving[:, :, cut:]
-        self.store.add(leaving, decode)
-
-    def forget(self, keep_from: int) -> None:
-        """Drop tokens before position ``keep_from``: whole store units, then (once the store is
-        empty) the oldest window tokens."""
-        n = keep_from - self.dropped
-        if n <= 0:
-            return
-        gone = self.store.drop(n)
-        if gone < n and self.store.length == 0 and self.window is not None:
-            extra = min(n - gone, self.window.shape[TOKEN_AXIS])
-            self.fp16.drop(extra)
-            gone += extra
-        self.dropped += gone
-
-    @property
-    def length(self) -> int:
-        return self.store.length + self.fp16.n_tokens
-
-    def read(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole history, decompressed, then the window, as one ``[B, H, L, D]`` tensor."""
-        b, h, w, d = self.window.shape
-        n = self.store.length
-        out = torch.empty(b, h, n + w, d, dtype=dtype, device=self.window.device)
-        if n:
-            self.store.read_into(out[:, :, :n])
-        out[:, :, n:].copy_(self.window)
-        return out
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.fp16.tensors(), *self.store.tensors()]
-
-    def read_counts(self) -> dict[int, int]:
-        return self.fp16.read_widths(self.store.length, self.store.tensors())
-
-    def numel(self) -> int:
-        if self.window is None:
-            return 0
-        b, h, _, d = self.window.shape
-        return b * h * self.length * d
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.fp16.map(fn)
-        self.store.map(fn)
-
-
 @dataclass(frozen=True)
 class WindowedMethod(KVMethod):
     """Parameters KIVI and GEAR share: ``bits``-bit codes in groups of ``group_size``; the newest
     ``residual`` tokens in fp16 (a multiple of the group size). ``group_size`` None: the paper's
-    default adapted to the model (module docstring). ``backend``: ``torch`` (the reference: the
-    history dequantized for the model's attention), ``cpu`` (``kernels_cpu`` attends over the codes
-    as stored) or ``auto``."""
+    default adapted to the model (module docstring). ``backend``: ``auto`` (the device's kernels,
+    attending over the codes as stored, where built and able to run the model; else the torch
+    reference, which decodes the history for the model's attention), ``torch`` or a backend by name."""
 
     bits: int = 2
     group_size: int | None = None
     residual: int = 128
-    backend: str = "torch"
+    backend: str = "auto"
 
     allowed_bits: ClassVar[tuple[int, ...]] = (2, 4, 8)
     default_group_size: ClassVar[int] = 32
     family: ClassVar[str] = "windowed"
-    kernel_format: ClassVar[str] = "kivi"  # the storage format backends name their kernels by
+    format: ClassVar[str] = "kivi"
 
     @property
     def label(self) -> str:
@@ -302,35 +108,29 @@ class WindowedMethod(KVMethod):
             return {"group_size": [self.default_group_size, used]}
         return {}
 
-    def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: str = "torch") -> WindowedLayer:
+    def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: Backend = TORCH) -> WindowedLayer:
         raise NotImplementedError
 
     def new_cache(self, model: Any) -> KVCache:
-        """Layers on the backend ``backend`` resolves to, and ``cache.adaptations`` (what was fitted
-        to this model). The kernels read a layer's whole stream and apply no logit soft-capping: a
-        model with either need runs the torch reference (``auto``) or is refused (``cpu``)."""
+        """Layers on the backend ``backend`` resolves to for this model (``KVMethod.resolve``), and
+        ``cache.adaptations`` (what was fitted to it)."""
         geometry = KVGeometry.of(model.config)
         adaptations = self.adaptations(geometry)  # an explicit group size that cannot divide fails here
-        missing = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
-        if geometry.sliding_window is not None:
-            missing.append(f"sliding-window layers ({geometry.sliding_window})")
-        backend = resolve_kernels(model, self.backend, self.kernel_format, missing)
+        backend = self.resolve(model, geometry)
         cache = KVCache([self.new_layer(i, geometry, backend) for i in range(geometry.n_layers)])
-        cache.adaptations, cache.backend = adaptations, backend
+        cache.adaptations, cache.backend = adaptations, backend.name
         return cache
 
 
 class WindowedLayer(KVLayer):
-    """One decoder layer of a windowed method: two ``Stream``s built by ``new_streams``.
+    """One decoder layer of a windowed method: a ``CodesState`` (K and V ``Stream``s) built by ``new_state``.
 
     ``params`` is the method itself (its parameters, frozen); ``group_size`` the size resolved for
     the model, or None to resolve it from the head dim of the first update. ``window``: a sliding
     layer's window; such a layer hands attention exactly the tokens ``get_mask_sizes`` promised and
     then forgets what the next step will not need (whole key groups / GEAR segments; tokens that
-    leave the fp16 window already outside the sliding window are compressed apart, so they go whole).
+    leave the fp16 window already outside the sliding window are coded apart, so they go whole).
     """
-
-    is_croppable = False
 
     def __init__(
         self,
@@ -338,75 +138,71 @@ class WindowedLayer(KVLayer):
         params: WindowedMethod,
         group_size: int | None = None,
         window: int | None = None,
-        backend: str = "torch",
+        backend: Backend = TORCH,
     ):
-        super().__init__(layer_idx, window)
-        self.params, self.group_size, self.backend = params, group_size, backend
-        self.k_stream: Stream | None = None
-        self.v_stream: Stream | None = None
+        super().__init__(layer_idx, window, backend)
+        self.params, self.group_size = params, group_size
+        self.state: CodesState | None = None
 
     @property
     def bits(self) -> int:
         return self.params.bits
 
-    def new_streams(self) -> tuple[Stream, Stream]:
-        """A fresh (keys, values) pair of streams for ``self.group_size``."""
+    @property
+    def k_stream(self) -> Stream | None:
+        return None if self.state is None else self.state.k
+
+    @property
+    def v_stream(self) -> Stream | None:
+        return None if self.state is None else self.state.v
+
+    def new_state(self) -> CodesState:
+        """A fresh state for ``self.group_size``."""
         raise NotImplementedError
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new tokens, compress what leaves the windows, and return the whole history
-        (decompressed, then the windows) in the input dtype for the model's stock attention."""
+        """Append the new tokens and code what leaves the windows; return the whole history (decoded, then
+        the windows) in the input dtype for the model's attention, or placeholders where the backend's
+        kernel reads the codes (full-attention layers only: the kernels' ``limits`` refuse sliding ones)."""
         check_finite(self.params.label, self.layer_idx, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[TOKEN_AXIS]
-        if self.backend != "torch":
-            return self._update_for_kernel(key_states, value_states)
         first = self.get_mask_sizes(n)[1]  # the oldest token attention gets this step
         self.seen += n
         keep_from = None if self.window is None else self.seen - self.window + 1  # what the next step needs
-        streams = (self.k_stream, self.v_stream)
-        outs = []
-        for stream, x in zip(streams, (key_states, value_states), strict=True):
-            stream.extend(x, n == 1, keep_from)
-            outs.append(stream.read(x.dtype)[:, :, first - stream.dropped :])
-        self.count_read(self.k_stream.read_counts(), self.v_stream.read_counts(), position=self.seen)
+        self.state.append(key_states, value_states, n == 1, keep_from)
+        self.count_read(*self.state.read_counts(), position=self.seen)
+        if self.reads_in_attention(self.state):
+            b, h, _, d = key_states.shape
+            return self.expect_attention((b, h, self.state.length, d), key_states.dtype, key_states.device)
+        outs = [
+            s.read(x.dtype)[:, :, first - s.dropped :]
+            for s, x in ((self.k_stream, key_states), (self.v_stream, value_states))
+        ]
         if keep_from is not None:
-            for stream in streams:
+            for stream in (self.k_stream, self.v_stream):
                 stream.forget(keep_from)
         return outs[0], outs[1]
 
-    def _update_for_kernel(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Append and compress as the torch path does, then hand attention placeholders that send it
-        to ``attend`` (full-attention layers only: ``new_cache`` refuses sliding ones)."""
-        n = key_states.shape[TOKEN_AXIS]
-        self.seen += n
-        self.k_stream.extend(key_states, n == 1)
-        self.v_stream.extend(value_states, n == 1)
-        self.count_read(self.k_stream.read_counts(), self.v_stream.read_counts(), position=self.seen)
-        b, h, _, d = key_states.shape
-        shape = (b, h, self.k_stream.length, d)
-        return (
-            tagged_placeholder(self, shape, key_states.dtype, key_states.device),
-            tagged_placeholder(self, shape, value_states.dtype, value_states.device),
-        )
-
     def attend(self, module, query: torch.Tensor, attention_mask, scaling: float | None = None, **kwargs):
-        """Attention over the stored codes and windows by the backend's kernel (``kvquant.attention``).
-        A prompt chunk of ``PROMPT_QUERIES`` or more queries dequantizes the history once, as the torch
-        path does, for the model's stock attention: the kernel dequantizes the history once per query,
-        q_len times the work for a prompt chunk; decode steps (and short chunks) use the kernel."""
+        """The backend's kernel over the codes and windows; a prompt chunk of ``PROMPT_QUERIES`` or more
+        queries decodes the history once for the model's own attention instead (a kernel decodes the
+        history once per query: q_len times the work)."""
         if query.shape[2] >= PROMPT_QUERIES:
-            keys, values = self.k_stream.read(query.dtype), self.v_stream.read(query.dtype)
+            keys, values = self.state.read(query.dtype)
             return stock_attention(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
-        ops = get_backend(self.backend).ops
-        fmt = self.params.kernel_format
-        n = self.k_stream.length
-        mask = attention_mask[..., :n] if attention_mask is not None else None
-        causal = mask is None and query.shape[2] > 1
-        stored = getattr(ops, f"{fmt}_tensors")(self)
-        out = getattr(ops, f"attend_{fmt}")(query, **stored, mask=mask, scaling=scaling, causal=causal)
-        return out.transpose(1, 2).contiguous(), None
+        return super().attend(module, query, attention_mask, scaling, **kwargs)
+
+    def forget_newest(self, n: int) -> None:
+        """Tokens still in both fp16 windows (codes are never rewritten); a sliding layer's only until its
+        window has filled (a crop would need tokens it already forgot)."""
+        if self.window is not None and self.seen >= self.window:
+            raise CropError(
+                f"layer {self.layer_idx}: a sliding-window layer cannot be cropped once its window has filled"
+            )
+        self.refuse_crop(n, self.state.newest_fp16(), "in the fp16 window")
+        self.state.forget_newest(n)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.group_size is None:
@@ -414,7 +210,7 @@ class WindowedLayer(KVLayer):
         else:
             check_divides(self.params.label, self.group_size, key_states.shape[-1])
         self.device = key_states.device
-        self.k_stream, self.v_stream = self.new_streams()
+        self.state = self.new_state()
         self.is_initialized = True
 
     def logical_elements(self) -> tuple[int, int]:
@@ -423,17 +219,16 @@ class WindowedLayer(KVLayer):
         return self.k_stream.numel(), self.v_stream.numel()
 
     def stored_k(self) -> list[torch.Tensor | None]:
-        return self.k_stream.tensors() if self.is_initialized else []
+        return self.state.tensors_k() if self.is_initialized else []
 
     def stored_v(self) -> list[torch.Tensor | None]:
-        return self.v_stream.tensors() if self.is_initialized else []
+        return self.state.tensors_v() if self.is_initialized else []
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Windows, codes, scales, zeros and whatever else the stores hold — all batch-first."""
         if self.is_initialized:
-            self.k_stream.map(fn)
-            self.v_stream.map(fn)
+            self.state.map_tensors(fn)
 
     def reset(self) -> None:
         super().reset()
-        self.k_stream = self.v_stream = None
+        self.state = None

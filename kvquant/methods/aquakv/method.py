@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvquant.attention import resolve_kernels
 from kvquant.backends import check_backend
 from kvquant.cache import KVGeometry, KVLayer
 from kvquant.errors import InvalidParameterError
-from kvquant.methods.aquakv.cache import AquaKVCache, AquaKVLayer, find_rotary
+from kvquant.methods.aquakv.cache import AquaKVCache, find_rotary
+from kvquant.methods.aquakv.layer import AquaKVLayer
 from kvquant.methods.aquakv.predictors import (
     PredictorFileError,
     Predictors,
@@ -52,9 +52,10 @@ METHOD_FOR_PREDICT = {"kv": "aquakv", "k": "aquakv_k_only", "v": "aquakv_v_only"
 class HiggsMethod(KVMethod):
     """HIGGS alone: Hadamard rotation + Gaussian-optimal grid per token at ``bits`` (2, 3, 4) with one
     fp16 scale per ``group`` channels; the first ``sink`` and newest ``window`` tokens in fp16; layer 0
-    at ``first_layer_bits`` if set, else ``bits``. ``backend``: ``torch`` (the reference: every coded
-    token reconstructed for the model's attention), ``cpu`` (``kernels_cpu.attend_higgs`` attends over
-    the codes as stored; AQUA-KV: see ``AquaKVMethod``) or ``auto``. Keys are coded with RoPE taken off
+    at ``first_layer_bits`` if set, else ``bits``. ``backend``: ``auto`` (the device's kernels, attending
+    over the codes as stored — AQUA-KV: see ``AquaKVMethod`` — where built and able to run the model;
+    else the torch reference, every coded token reconstructed for the model's attention), ``torch`` or
+    a backend by name. Keys are coded with RoPE taken off
     (the paper's choice: RoPE re-applied on every read, positions kept); ``higgs_post_rope`` codes them
     as the model hands them."""
 
@@ -63,7 +64,7 @@ class HiggsMethod(KVMethod):
     group: int = GROUP
     sink: int = SINK
     window: int = WINDOW
-    backend: str = "torch"
+    backend: str = "auto"
 
     family: ClassVar[str] = "higgs"
     predict: ClassVar[str] = "none"
@@ -128,25 +129,15 @@ class HiggsMethod(KVMethod):
         return None
 
     @property
-    def kernel_format(self) -> str:
-        """The storage format backends name their kernels by: ``higgs``, or ``aquakv`` (codes of a
-        predictor's residual: ``kernels_cpu.aquakv_reconstruct`` then ``attend_aquakv``)."""
+    def format(self) -> str:
+        """The storage format: ``higgs``, or ``aquakv`` (codes of a predictor's residual, which only the
+        cache can reconstruct)."""
         return "higgs" if self.predict == "none" else "aquakv"
 
-    def resolve_backend(self, model: Any, geometry: KVGeometry, quant: Higgs) -> str:
-        """The backend this cache reads with (``kvquant.attention.resolve_kernels``): the kernels read a
-        layer's whole history (no sliding windows), apply no logit soft-capping and need an even head
-        dim <= 256; the HIGGS kernel also needs groups of whole heads. A model that needs otherwise runs
-        the torch reference (``auto``, one warning line) or is refused (``cpu``)."""
-        missing = [f"soft-capped logits ({geometry.softcap})"] if geometry.softcap is not None else []
-        if geometry.sliding_window is not None:
-            missing.append(f"sliding-window layers ({geometry.sliding_window})")
-        d = geometry.head_dim
-        if self.kernel_format == "higgs" and (quant.group % d or d % 2 or d > 256):
-            missing.append(f"groups of {quant.group} channels over heads of {d} (it needs whole heads, even, <= 256)")
-        elif d % 2 or d > 256:  # aquakv reads its reconstruction by head: any group, but RoPE needs even heads
-            missing.append(f"heads of {d} channels (it needs an even head dim <= 256)")
-        return resolve_kernels(model, self.backend, self.kernel_format, missing)
+    def rule(self, geometry: KVGeometry | None = None) -> Higgs | None:
+        """How codes are read: the quantizer of the last layer (``bits``) on ``geometry`` — its grid, rotation
+        and group, which every layer's quantizer shares but for its bit width."""
+        return None if geometry is None else self.quantizers(geometry)[self.layer_bits(geometry.n_layers - 1)]
 
     def new_layer(self, layer_idx: int, geometry: KVGeometry) -> KVLayer:
         raise NotImplementedError(f"{self.label} layers share state through their cache: use new_cache(model)")
@@ -157,7 +148,7 @@ class HiggsMethod(KVMethod):
         note = quants[self.bits].padding_note()
         if note:
             warnings.warn(note, stacklevel=2)
-        backend = self.resolve_backend(model, geometry, quants[self.bits])
+        backend = self.resolve(model, geometry, quants[self.bits])
         pred = self.load_predictors(model)
         layers = []
         for i in range(geometry.n_layers):
@@ -166,7 +157,7 @@ class HiggsMethod(KVMethod):
             quant, window = quants[self.layer_bits(i)], geometry.window(i)
             layers.append(AquaKVLayer(i, quant, pk, pv, self.sink, self.window, window, backend))
         cache = AquaKVCache(layers, find_rotary(model), pred, geometry.layer_types, self.post_rope)
-        cache.adaptations, cache.backend = self.adaptations(geometry), backend
+        cache.adaptations, cache.backend = self.adaptations(geometry), backend.name
         if pred is not None and pred.source is not None:
             cache.parameter_files = {"predictors": {**pred.source, "calibration": pred.header.get("data")}}
         return cache
@@ -188,7 +179,7 @@ class AquaKVMethod(HiggsMethod):
     """AQUA-KV: HIGGS codes of what cross-layer linear predictors miss (``predict``: kv, k or v);
     ``predictors``: a predictor file, or None for the default path for this model and quantizer.
 
-    ``backend=cpu`` (or ``auto`` where the kernels are built): the predictors must still run over the
+    On the C++ kernels (``auto`` where they are built): the predictors must still run over the
     whole history every step (no reconstruction is kept: that would be fp16-sized memory), so a step
     is bounded below by those matmuls. Per layer and forward one kernel call
     (``kernels_cpu.aquakv_reconstruct``) decodes the residual codes, plus the predictor's bias, straight

@@ -19,7 +19,7 @@ from kvquant.errors import KvquantError
 from kvquant.quant.higgs import HiggsTensor
 
 if TYPE_CHECKING:
-    from kvquant.methods.aquakv.cache import AquaKVLayer
+    from kvquant.methods.aquakv.layer import AquaKVLayer
 
 Rows = tuple[int, torch.Tensor, torch.Tensor]  # (position of the first row, keys [B, n, C], values [B, n, C])
 
@@ -60,20 +60,20 @@ def forget(layer: AquaKVLayer) -> None:
     gone = min(max(0, lo - layer.sink_lo), layer.n_sinks)
     if gone:
         layer.sink_lo += gone
-        for win in (layer.k_win, layer.v_win):
+        for win in (layer.state.k_win, layer.state.v_win):
             win.sinks = drop_leading(win.sinks, gone)
             win.sink = layer.sink - layer.sink_lo  # so that ``push`` never refills what left
-    cut = min(max(0, code_floor - layer.code_lo), layer.n_codes)
-    if layer.qk is not None and cut:
-        layer.code_lo += cut
-        layer.qk, layer.qv = drop_code_rows(layer.qk, cut), drop_code_rows(layer.qv, cut)
+    cut = min(max(0, code_floor - layer.state.code_lo), layer.n_codes)
+    if layer.state.qk is not None and cut:
+        layer.state.code_lo += cut
+        layer.state.qk, layer.state.qv = drop_code_rows(layer.state.qk, cut), drop_code_rows(layer.state.qv, cut)
     recent_lo = layer.seen - layer.n_recent
     if layer.early:
         start = max(recent_lo, code_floor)
         if start < lo:
             span = slice(start - recent_lo, lo - recent_lo)
-            layer.code(layer.k_win.recent[:, :, span], layer.v_win.recent[:, :, span], start, None)
+            layer.code(layer.state.k_win.recent[:, :, span], layer.state.v_win.recent[:, :, span], start, None)
     keep_from = lo if layer.early else code_floor
     gone = min(max(0, keep_from - recent_lo), layer.n_recent)
-    for win in (layer.k_win, layer.v_win):
+    for win in (layer.state.k_win, layer.state.v_win):
         win.recent = drop_leading(win.recent, gone)

@@ -1,0 +1,114 @@
+"""What every storage format shares: the state base class, what a read reports, and attention math.
+
+A format is the layout a method's layer keeps K/V in (fp16, integer codes, bit planes, …). Its state
+holds the tensors and knows how to append, map and count them; a backend's ``attend`` reads it.
+Formats know nothing of layers, methods, caches or backends, so kernel packages can import them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the tensors given (None skipped): what a state holds, measured, never a formula."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def whole_bit_widths(n_compressed: int, compressed_bits: int, n_fp16: int) -> dict[int, int]:
+    """Element counts per whole-bit width whose total is exactly ``compressed_bits + 16·n_fp16``.
+
+    For methods whose compressed part costs a fractional width (codes plus scales): the elements are
+    split between ⌊w⌋ and ⌈w⌉ so that totals and means stay exact.
+    """
+    widths: Counter = Counter()
+    if n_compressed:
+        low, extra = divmod(compressed_bits, n_compressed)
+        widths[low] += n_compressed - extra
+        if extra:
+            widths[low + 1] += extra
+    if n_fp16:
+        widths[16] += n_fp16
+    return dict(widths)
+
+
+class FormatState(ABC):
+    """The tensors one layer holds in one storage format.
+
+    ``format`` names it (backends list the formats they have kernels for). ``tensors_k``/``tensors_v``
+    list every tensor (codes, scales, windows, metadata), so bytes are measured; ``map_tensors``
+    replaces every batch-first tensor by ``fn(tensor)`` (beam reorder, batch selection, offload).
+    """
+
+    format: ClassVar[str] = ""
+
+    @abstractmethod
+    def tensors_k(self) -> list[torch.Tensor | None]: ...
+
+    @abstractmethod
+    def tensors_v(self) -> list[torch.Tensor | None]: ...
+
+    @abstractmethod
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
+
+    def nbytes(self) -> int:
+        return nbytes([*self.tensors_k(), *self.tensors_v()])
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What one ``attend`` read where a rule chose it per step: AlignedKV's key widths (per channel
+    ``[B, Hkv, D]`` or per block and channel ``[B, Hkv, blocks, D]``) and value widths per block token
+    ``[B, Hkv, n]``. ``None`` where the format reads all it holds: its layer counts that from bytes."""
+
+    k_widths: torch.Tensor | None = None
+    v_widths: torch.Tensor | None = None
+
+
+NOTHING_CHOSEN = Reads()
+
+
+def causal_allowed(q_len: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[q_len, n]`` booleans (True = attend) of a causal step whose queries are the last ``q_len`` of
+    ``n`` keys: what a forward without a mask means (transformers skips SDPA's mask for plain causal)."""
+    return torch.ones(q_len, n, dtype=torch.bool, device=device).tril(n - q_len)
+
+
+def masked_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` ``[B, Hq, q_len, n]`` with ``mask`` applied (bool: True = attend, or additive); no mask
+    on a multi-token step is plain causal."""
+    n, q_len = logits.shape[-1], logits.shape[-2]
+    if mask is not None:
+        mask = mask[..., :n]
+        return logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+    if q_len > 1:
+        return logits.masked_fill(~causal_allowed(q_len, n, logits.device), float("-inf"))
+    return logits
+
+
+def attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention ``[B, Hq, q_len, D]`` in the query's dtype over ``keys``/``values`` ``[B, Hkv, n, D]``
+    (GQA without copying K/V), computed in fp32: the torch reference every backend is compared with.
+    A row that sees no key gives zeros."""
+    b, hq, q_len, d = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    grouped = query.float().reshape(b, hkv, (hq // hkv) * q_len, d)
+    logits = (grouped @ keys.float().transpose(-1, -2) * scaling).view(b, hq, q_len, n)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    probs = torch.softmax(masked_logits(logits, mask), dim=-1).nan_to_num(0.0)
+    out = probs.view(b, hkv, -1, n) @ values.float()
+    return out.view(b, hq, q_len, values.shape[-1]).to(query.dtype)
