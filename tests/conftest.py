@@ -120,32 +120,42 @@ def pytest_xdist_auto_num_workers(config):
 
 
 # The schedule ``make test`` hands tests out in (``-n auto``; see ``pytest_xdist_make_scheduler``). Tests
-# matching these patterns go first, in this order: the longest as measured with ``--durations`` (smollm2's
-# golden outputs and kernel checks take 30-120 s each; the two first need no AQUA-KV predictors, or
-# calibrate smollm2's, so the other worker is not left waiting on that calibration), so that the short
-# ones fill in around them and no worker is left with a long test at the end. The rest follow as collected.
+# matching these patterns go first, in this order: the longest, longest first, as ``--durations`` measured
+# them under xdist (a ``WHOLE_MODULE`` counts as one), so that the short ones fill in around them and no
+# worker is left with a long test at the end; the rest follow as collected. The first test that needs
+# smollm2's AQUA-KV predictors calibrates them while the other worker runs a module that needs none.
 LONGEST_FIRST = (
-    "tests/test_aquakv_kernel.py::test_backend_cpu_is_as_close_to_fp16_as_the_torch_path_on_smollm2",
-    "tests/test_gear.py::test_gear2_beats_kivi2_on_real_kv",
-    "tests/test_golden.py::test_golden_outputs[alignedkv-smollm2_135m]",
-    "tests/test_golden.py::test_golden_outputs[alignedkv_release-smollm2_135m]",
-    "tests/test_golden.py::test_golden_outputs[higgs-smollm2_135m]",
-    "tests/test_golden.py::test_golden_outputs[aquakv_*-smollm2_135m]",
     "tests/test_sweeps.py::*",
+    "tests/test_aquakv_kernel.py::test_backend_cpu_is_as_close_to_fp16_as_the_torch_path_on_smollm2",
     "tests/test_niah.py::*",
-    "tests/test_golden.py::test_golden_outputs[*-smollm2_135m]",
-    "tests/test_adding_a_method.py::test_a_toy_method_added_by_the_recipe_runs_end_to_end",
-    "tests/test_table_aquakv.py::*",
-    "tests/test_aquakv_kernel.py::test_kernel_matches_the_torch_path[2threads-1x*",
-    "tests/test_frontier_alignedkv.py::*",
-    "tests/test_figures.py::test_make_figures_from_committed_results",
     "tests/test_table_tasks.py::*",
-    "tests/test_figures.py::test_missing_result_names_the_command",
-    "tests/test_alignedkv.py::test_smollm2_gqa_long_prompt",
-    "tests/test_fig_latency.py::*",
+    "tests/test_table_aquakv.py::*",
+    "tests/test_run.py::test_an_aquakv_run_is_reused_until_its_predictors_are_recalibrated",
+    "tests/test_table_ruler.py::*",
+    "tests/test_gear.py::test_gear2_beats_kivi2_on_real_kv",
+    "tests/test_figures.py::test_make_figures_from_committed_results",
+    "tests/test_golden.py::test_golden_outputs[alignedkv_*-smollm2_135m]",
+    "tests/test_run.py::test_run_writes_results_then_skips_then_reruns",
+    "tests/test_run.py::test_suite_task_writes_examples_fidelity_and_reuses_the_fp16_reference",
+    "tests/test_run.py::test_failed_sweep_job_is_reported_and_the_sweep_resumes",
     "tests/test_cells.py::*",
-    "tests/test_bench_kv_methods.py::*",
+    "tests/test_ruler.py::test_run_py_writes_metrics_fidelity_and_intervals",
+    "tests/test_golden.py::test_golden_outputs[a*-smollm2_135m]",
+    "tests/test_golden.py::test_golden_outputs[higgs-smollm2_135m]",
+    "tests/test_adding_a_*",
+    "tests/test_run.py::test_a_benchmark_*",
+    "tests/test_notebook.py::*",
+    "tests/test_frontier_alignedkv.py::*",
+    "tests/test_table_backends.py::*",
+    "tests/test_fig_bitwidth.py::*",
     "tests/test_table_alignedkv.py::*",
+    "tests/test_table_ppl_aquakv.py::*",
+    "tests/test_golden.py::test_golden_outputs[*-smollm2_135m]",
+    "tests/test_figures.py::test_missing_result_names_the_command",
+    "tests/test_fig_latency.py::*",
+    "tests/test_table_relerr.py::*",
+    "tests/test_table_hf_quantized.py::*",
+    "tests/test_bench_kv_methods.py::*",
     "tests/test_golden.py::*",
 )
 # Modules whose module-scoped fixtures (a sweep, an experiment run) cost more than their tests: one
