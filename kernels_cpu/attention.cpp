@@ -274,7 +274,8 @@ std::tuple<at::Tensor, at::Tensor> attend_aligned(const at::Tensor& q, const Opt
                                                   const Opt& v_a, const Opt& v_b, const Opt& v_c,
                                                   const at::Tensor& tail_v, bool tiny_k, bool tiny_v, const Opt& mask,
                                                   double scaling, const at::Tensor& v8, double t12, double t8,
-                                                  int64_t topk, int64_t v_block) {
+                                                  int64_t topk, int64_t v_block, const Opt& v_exp,
+                                                  int64_t value_block) {
   using namespace kvq;
   const int64_t B = q.size(0), Hkv = tail_k.size(1), D = q.size(3);
   PlaneArgs a = plane_store(B, Hkv, D, k_a, k_b, k_c, k_widths, tail_k, v_a, v_b, v_c, tail_v, tiny_k, tiny_v);
@@ -288,6 +289,17 @@ std::tuple<at::Tensor, at::Tensor> attend_aligned(const at::Tensor& q, const Opt
   rule.scaling = scaling;
   rule.topk = topk;
   rule.v_block = v_block;
+  if (value_block > 0 && a.nb) {  // the block rule reads the exponent bytes kept at append time
+    TORCH_CHECK(64 % value_block == 0, "aligned: value_block must divide 64, got ", value_block);
+    TORCH_CHECK(v_exp.has_value(), "aligned: the block rule needs v_exp");
+    const at::Tensor& e = *v_exp;
+    TORCH_CHECK(e.scalar_type() == at::kByte && e.dim() == 4 && e.size(0) == B && e.size(1) == Hkv &&
+                    e.size(2) == a.nb * 64 / value_block && e.size(3) == D && e.stride(3) == 1,
+                "aligned: v_exp must be uint8 [", B, ", ", Hkv, ", ", a.nb * 64 / value_block, ", ", D,
+                "] with a contiguous last dim, got ", e.scalar_type(), " ", e.sizes());
+    rule.value_block = value_block;
+    rule.v_exp = Bytes{e.data_ptr<uint8_t>(), e.stride(0), e.stride(1), e.stride(2)};
+  }
   return planes_aligned(a, problem(q, Hkv, a.nb * 64 + a.tail_n, mask, false, scaling), rule);
 }
 

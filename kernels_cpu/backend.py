@@ -141,6 +141,7 @@ def attend_planes(store: Any, rule: Any, query: torch.Tensor, mask, scaling: flo
         v_thresholds=rule.v_tiers(store.visible),
         topk=rule.topk,
         v_block=rule.v_block,
+        block_rule=rule.value_rule == "block",
         mask=mask,
         scaling=scaling,
     )

@@ -851,6 +851,10 @@ struct AlignedRule {
   float t12 = 0, t8 = 0;      // value thresholds, as the fp32 values torch compares the gaps with
   double scaling = 1.0;       // the logits' scale, in fp64 as torch multiplies fp64 logits by it
   int64_t topk = 32, v_block = 1;
+  // The block-bound rule (kvquant.alignment.block_value_widths) where value_block > 0: per block of
+  // value_block tokens and channel, the largest exponent field of plane A, v_exp [B, H, nb*64/value_block, D].
+  int64_t value_block = 0;
+  Bytes v_exp;
 };
 std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P, const AlignedRule& rule);
 at::Tensor planes_exponent_gaps(const int16_t* e_o, int64_t eb, int64_t eh, const Bytes& v, int64_t B, int64_t H,

@@ -131,6 +131,7 @@ def attend_aligned(
     v_thresholds: tuple[float, float],
     topk: int,
     v_block: int = 1,
+    block_rule: bool = False,
     mask: torch.Tensor | None = None,
     scaling: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,11 +140,14 @@ def attend_aligned(
     top-``topk``, ``O_est`` by the pairwise tree, exponent gaps, ``v_block``), then attention over
     the values read at them with those scores. ``v8``: fp32 ``[256]``, ``|v8|`` of each plane-A byte
     (``kvquant.alignment.high_byte_values``); ``v_thresholds`` ``(t12, t8)``. ``store`` as
-    ``attend_planes``'; ``v_widths`` int32 ``[B, Hkv, nb·64]`` (the block tokens). A multi-token step
-    needs its mask (the rule reads no causal limit)."""
+    ``attend_planes``'; ``v_widths`` int32 ``[B, Hkv, nb·64]`` (the block tokens). ``block_rule``: the
+    block-bound rule (``kvquant.alignment.block_value_widths``) from the store's ``v_exp`` per
+    ``value_block`` tokens instead of the paper's per-token gaps. A multi-token step needs its mask (the
+    rule reads no causal limit)."""
     keys, _, length = _plane_stored(q, store, k_widths)
     values = (store.v_a, store.v_b, store.v_c, store.tail_v, bool(store.tiny_k), bool(store.tiny_v))
     rule = (v8.float().contiguous(), float(v_thresholds[0]), float(v_thresholds[1]), int(topk), int(v_block))
+    rule += (store.v_exp, int(store.value_block)) if block_rule else (None, 0)
     out, wv = call("attend_aligned", q, (*keys, *values), mask, length, _scaling(scaling, q), *rule)
     return as_query(out, q), wv.to(torch.int32)
 

@@ -369,7 +369,8 @@ inline void dot_channels_f64(const float* buf, const float* const* q, int D, dou
 }
 
 // AlignedKV's whole step for one (batch row, KV head): the rule's scores in fp64 over the keys read
-// at their widths, the value rule (strided top-k, O_est by the pairwise tree, exponent gaps, v_block),
+// at their widths, the value rule (strided top-k, O_est by the pairwise tree, exponent gaps, v_block; or
+// the block rule's exponent bytes),
 // then the values read at those widths and summed with the same probabilities. Every step follows
 // kvquant.alignment.value_widths on fp64 scores (AlignedLayer.decide_widths), so the widths are
 // those of the torch reference unless a score lies within ~1e-16 of a power of two.
@@ -477,20 +478,38 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
   std::copy(S.begin(), S.begin() + nv, smax.begin());  // per block token: the largest score of any row
   for (int64_t r = 1; r < R; ++r)
     for (int64_t t = 0; t < nv; ++t) smax[t] = S[r * L + t] > smax[t] ? S[r * L + t] : smax[t];
-  for (int64_t t = 0; t < nv; ++t) {  // the gap, then the width (8 / 12 / 16)
-    const uint8_t* row = high(t);
-    int16_t g = std::numeric_limits<int16_t>::max();
-    for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ((row[c] >> 2) & 0x1f)));
+  auto score_exponent = [&](int64_t t) {  // the largest e(s) of any row, as torch's max of floor_log2
     int32_t e = floor_log2(smax[t]);
     if (e < ZERO_EXPONENT)  // a subnormal top score: the reference's max over rows counts a zero row as 2^-1024
       for (int64_t r = 0; r < R; ++r) e = S[r * L + t] == 0.0 ? ZERO_EXPONENT : e;
-    const float gap = smax[t] == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(e);
-    wv[t] = gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16;
-  }
-  for (int64_t t0 = 0; rule.v_block > 1 && t0 < nv; t0 += rule.v_block) {  // each v_block at its widest
-    const int64_t te = std::min(nv, t0 + rule.v_block);
-    const uint8_t w = *std::max_element(wv + t0, wv + te);
-    std::fill(wv + t0, wv + te, w);
+    return e;
+  };
+  auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
+  if (rule.value_block > 0) {  // the block rule: one gap per block, from its exponent bytes, no plane-A pass
+    for (int64_t t0 = 0; t0 < nv; t0 += rule.value_block) {
+      const uint8_t* ex = rule.v_exp.at(b, h, t0 / rule.value_block);
+      int16_t g = std::numeric_limits<int16_t>::max();
+      for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ex[c]));
+      int32_t e = ZERO_EXPONENT;
+      double top = 0.0;
+      for (int64_t t = t0; t < t0 + rule.value_block; ++t) {
+        e = std::max(e, score_exponent(t));
+        top = smax[t] > top ? smax[t] : top;
+      }
+      std::fill(wv + t0, wv + t0 + rule.value_block, width(top == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(e)));
+    }
+  } else {
+    for (int64_t t = 0; t < nv; ++t) {  // the gap, then the width (8 / 12 / 16)
+      const uint8_t* row = high(t);
+      int16_t g = std::numeric_limits<int16_t>::max();
+      for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ((row[c] >> 2) & 0x1f)));
+      wv[t] = width(smax[t] == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(score_exponent(t)));
+    }
+    for (int64_t t0 = 0; rule.v_block > 1 && t0 < nv; t0 += rule.v_block) {  // each v_block at its widest
+      const int64_t te = std::min(nv, t0 + rule.v_block);
+      const uint8_t w = *std::max_element(wv + t0, wv + te);
+      std::fill(wv + t0, wv + te, w);
+    }
   }
   alignas(64) float p[NRMAX * BT];
   alignas(64) float acc[NRMAX * DMAX];

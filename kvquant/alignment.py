@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvquant.bits import bits_to_fp16, floor_log2, truncate_bits
+from kvquant.bits import ZERO_EXPONENT, bits_to_fp16, floor_log2, truncate_bits
 from kvquant.errors import InvalidParameterError
 
 BLOCK = 64
@@ -109,6 +109,28 @@ def exponent_gaps(e_o: torch.Tensor, v_high: torch.Tensor) -> torch.Tensor:
     return (e_o.unsqueeze(2) - field).amin(dim=-1)
 
 
+def output_exponents(s: torch.Tensor, rows_at: Callable[[torch.Tensor], torch.Tensor], topk: int) -> torch.Tensor:
+    """``e(O_est[c]) + 15`` per (batch, KV head, channel) (int16), the most demanding query row's:
+    ``O_est[c] = Σ_r s_r·|v8(j_r, c)|`` over the strided top-``topk`` of ``s`` ``[b, hkv, rows, L]``, summed
+    by ``pairwise_sum``. ``rows_at(idx [b, hkv, m]) -> [b, hkv, m, d]``: plane A of those tokens only."""
+    b, hkv, rows, _ = s.shape
+    idx = strided_topk_indices(s, topk)  # [b, hkv, rows, k]
+    top_s = s.gather(-1, idx)
+    high = rows_at(idx.reshape(b, hkv, -1))
+    top_v = high_byte_values(high).to(s.dtype).view(b, hkv, rows, -1, high.shape[-1])
+    o_est = pairwise_sum(top_s.unsqueeze(-1) * top_v, dim=-2)  # [b, hkv, rows, d], a fixed order
+    # e(O_est[c]) − e(v8[j, c]) = (e(O_est[c]) + 15) − exponent_field[j, c]
+    return floor_log2(o_est).amin(dim=2).clamp(-(2**14), 2**14).to(torch.int16) + 15  # most demanding row
+
+
+def grouped_scores(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[b, q_heads, q_len, L]`` probabilities as ``[b, kv_heads, rows, L]`` (fp64 stays fp64, else fp32):
+    the rows of the queries that share each KV head (GQA heads, chunk positions)."""
+    b, hq, q_len, n = scores.shape
+    s = scores if scores.dtype == torch.float64 else scores.float()
+    return s.reshape(b, kv_heads, (hq // kv_heads) * q_len, n)
+
+
 def value_widths(
     scores: torch.Tensor,
     v_high: torch.Tensor,
@@ -116,30 +138,54 @@ def value_widths(
     topk: int = 32,
     gaps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = exponent_gaps,
 ) -> torch.Tensor:
-    """Bits to read per (batch, KV head, token).
+    """Bits to read per (batch, KV head, token): the paper's rule.
 
-    ``scores``: attention probabilities ``[b, q_heads, q_len, L]`` (fp64 — as ``AlignedLayer`` computes
+    ``scores``: attention probabilities ``[b, q_heads, q_len, L]`` (fp64 — as the torch reference computes
     them, so that no BLAS summation order moves a width — or fp32, as the CuPy kernels do; ``O_est`` is
-    summed in the same precision); ``v_high``: plane A of every
-    value ``[b, kv_heads, L, d]`` (uint8). Only plane A is used, as a kernel would: ``e(|v8|)`` is
-    its exponent field, with zeros and subnormals counted as 2^-15 (an upper bound). ``gaps``
-    computes ``exponent_gaps`` (``kernels_cpu.exponent_gaps`` does it in one C++ pass).
+    summed in the same precision); ``v_high``: plane A of every value ``[b, kv_heads, L, d]`` (uint8).
+    Only plane A is used, as a kernel would: ``e(|v8|)`` is its exponent field, with zeros and
+    subnormals counted as 2^-15 (an upper bound). ``gaps`` computes ``exponent_gaps``
+    (``kernels_cpu.exponent_gaps`` does it in one C++ pass).
     """
-    b, hq, q_len, n = scores.shape
-    hkv, d = v_high.shape[1], v_high.shape[-1]
-    groups = hq // hkv
-    s = (scores if scores.dtype == torch.float64 else scores.float()).reshape(b, hkv, groups * q_len, n)
-    idx = strided_topk_indices(s, topk)  # [b, hkv, G·q, k]
-    top_s = s.gather(-1, idx)
-    rows = v_high.gather(2, idx.reshape(b, hkv, -1, 1).expand(-1, -1, -1, d))
-    top_v = high_byte_values(rows).to(s.dtype).view(b, hkv, groups * q_len, -1, d)
-    o_est = pairwise_sum(top_s.unsqueeze(-1) * top_v, dim=-2)  # [b, hkv, G·q, d], a fixed order
-    # e(O_est[c]) − e(v8[j, c]) = (e(O_est[c]) + 15) − exponent_field[j, c]
-    e_o = floor_log2(o_est).amin(dim=2).clamp(-(2**14), 2**14).to(torch.int16) + 15  # most demanding query
+    d = v_high.shape[-1]
+    s = grouped_scores(scores, v_high.shape[1])
+    e_o = output_exponents(s, lambda idx: v_high.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, d)), topk)
     gap = gaps(e_o, v_high).float() - floor_log2(s).amax(dim=2)
     # A token no query attends to (score 0) feeds nothing: any finite threshold lets it read 8 bits.
     gap = torch.where(s.amax(dim=2) == 0, float(NO_CONTRIBUTION), gap)
     return widths_from_gap(gap, thresholds)
+
+
+def block_value_widths(
+    scores: torch.Tensor,
+    v_exp: torch.Tensor,
+    rows_at: Callable[[torch.Tensor], torch.Tensor],
+    thresholds: tuple[float, float],
+    topk: int,
+    block: int,
+    offset: int = 0,
+) -> torch.Tensor:
+    """The block-bound value rule (beyond the paper): one width per block of ``block`` stored tokens.
+
+    ``v_exp`` ``[b, kv_heads, blocks, d]`` (uint8) holds, per block and channel, the largest exponent field
+    of plane A, kept when the block was stored; a block's gap is ``min_c (e(O_est[c]) + 15 − v_exp[c])``
+    less the largest ``e(s)`` of its tokens and query rows. Both terms bound every token's own
+    (``value_widths``), so no token of a block reads fewer bits than the paper's rule gives it, and no
+    pass over plane A is made beyond the top-k rows ``O_est`` needs (``rows_at``, indices into the scores'
+    tokens). ``scores`` cover the tokens from ``offset`` (the store's first visible token, a sliding
+    window's) on; returns the widths of the visible plane tokens ``[b, kv_heads, blocks·block − offset]``.
+    """
+    s = grouped_scores(scores, v_exp.shape[1])
+    e_o = output_exponents(s, rows_at, topk)
+    n_full = v_exp.shape[2] * block
+    e_s, s_max = floor_log2(s).amax(dim=2)[..., : n_full - offset], s.amax(dim=2)[..., : n_full - offset]
+    if offset:  # tokens out of the window feed nothing
+        e_s = torch.nn.functional.pad(e_s, (offset, 0), value=ZERO_EXPONENT)
+        s_max = torch.nn.functional.pad(s_max, (offset, 0), value=0.0)
+    e_blk = e_s.unflatten(-1, (-1, block)).amax(-1)
+    gap = (e_o.unsqueeze(2) - v_exp.to(torch.int16)).amin(-1).float() - e_blk
+    gap = torch.where(s_max.unflatten(-1, (-1, block)).amax(-1) == 0, float(NO_CONTRIBUTION), gap)
+    return widths_from_gap(gap, thresholds).repeat_interleave(block, dim=-1)[..., offset:]
 
 
 def block_widths(widths: torch.Tensor, block: int, offset: int = 0) -> torch.Tensor:

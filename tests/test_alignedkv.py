@@ -342,6 +342,41 @@ def test_larger_v_block_reads_more_bits_and_keeps_greedy_output(stories):
     assert bits == sorted(bits) and bits[0] < bits[1] and bits[-1] < 16.0
 
 
+@pytest.mark.numerics
+def test_block_rule_reads_at_least_the_paper_rule_and_keeps_greedy_output(stories):
+    """``alignedkv_block`` along fp16's greedy tokens (300-token prompt, 40 steps): per ``v_block`` at least
+    the value bits the paper's rule raised to the block's widest reads (its bound covers every token), below
+    16, fp16's next token first wherever fp16 is not at a near-tie; its exponent bytes count as bits read."""
+    model, tok = stories
+    prompt = story_ids(tok, 300)[0]
+    reference = greedy_decode(model, prompt, get_method("fp16", backend="torch").new_cache(model), 40)
+    for v_block in (16, 64):
+        _, _, paper = forced_run(model, prompt, "alignedkv", 40, reference=reference, v_block=v_block)
+        _, forced, block = forced_run(model, prompt, "alignedkv_block", 40, reference=reference, v_block=v_block)
+        assert unexplained_flips(reference.tokens, reference.logprobs, forced.logprobs) == [], v_block
+        assert kl_divergence(reference.logprobs, forced.logprobs).mean() < 1e-5
+        layers = zip(width_histograms(block), width_histograms(paper), strict=True)
+        for mine, theirs in layers:  # elements read at 16 (and at >= 12) never fewer, head by head
+            for ours, its in zip(mine["v"], theirs["v"], strict=True):
+                assert ours[16] >= its[16] and ours[16] + ours[12] >= its[16] + its[12]
+        bits = block.stats()["bits_read_v"]
+        assert paper.stats()["bits_read_v"] < bits < 16.0
+        store = block.layers[0].store
+        assert store.v_exp.shape == (1, store.tail_v.shape[1], store.n_full // v_block, 8)
+
+
+def test_block_rule_method_parameters():
+    method = get_method("alignedkv_block")
+    assert (
+        method.v_block == 32
+        and method.rule().value_rule == "block"
+        and get_method("alignedkv").rule().value_rule == "token"
+    )
+    for bad in (1, 3, 48, 128):
+        with pytest.raises(InvalidParameterError, match=f"v_block must divide 64 and be at least 2 .*got {bad}"):
+            get_method("alignedkv_block", v_block=bad)
+
+
 def assert_same_reads(mine, theirs, moved: float = 1e-4) -> None:
     """Same stores; per layer, KV head and side the same elements read, at most ``moved`` of them at
     another width (and bits read within that share of 8 bits)."""
@@ -362,7 +397,9 @@ def assert_same_reads(mine, theirs, moved: float = 1e-4) -> None:
 
 @pytest.mark.numerics
 @pytest.mark.parametrize(
-    ("name", "params"), [("alignedkv", {}), ("alignedkv_plus", {}), ("alignedkv", {"v_block": 16})], ids=str
+    ("name", "params"),
+    [("alignedkv", {}), ("alignedkv_plus", {}), ("alignedkv", {"v_block": 16}), ("alignedkv_block", {})],
+    ids=str,
 )
 def test_the_cpu_kernel_follows_the_torch_path(stories, name, params):
     """``backend=cpu``: the torch rules choose the widths, ``kernels_cpu`` attends over the planes at

@@ -11,6 +11,7 @@ from kvquant.alignment import (
     accumulation_margin,
     block_exponent_field,
     block_key_widths,
+    block_value_widths,
     block_widths,
     check_thresholds,
     key_widths,
@@ -19,7 +20,7 @@ from kvquant.alignment import (
     widths_from_gap,
 )
 from kvquant.errors import InvalidParameterError
-from kvquant.formats.planes import PlaneStore
+from kvquant.formats.planes import PlaneStore, scores
 
 T = (4.0, 8.0)
 INF = (float("inf"), float("inf"))
@@ -255,3 +256,74 @@ def test_block_widths_are_the_widest_of_each_block(n, block, offset, seed):
         assert torch.equal(out[..., inside], widths[..., inside].amax(-1, keepdim=True).expand_as(out[..., inside]))
     if block == 1:
         assert torch.equal(out, widths)
+
+
+def block_case(b: int, hq: int, hkv: int, n: int, d: int, q_len: int, v_block: int, seed: int, first: int = 0):
+    """A plane store kept with ``v_block`` exponent bytes, masked probabilities over its tokens from
+    ``first`` on, and both rules' value widths of those plane tokens (the paper's: per token)."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.exp(torch.randn(b, hkv, n, 1, generator=gen) * 2)  # tokens of very different sizes
+    v = (torch.randn(b, hkv, n, d, generator=gen) * spread).half()
+    v.view(-1)[torch.randint(0, v.numel(), (max(1, v.numel() // 50),), generator=gen)] = 0.0
+    store = PlaneStore(value_block=v_block)
+    store.append(v, v)
+    logits = torch.randn(b, hq, q_len, n - first, generator=gen, dtype=torch.float64) * 4
+    allowed = torch.rand(b, 1, q_len, n - first, generator=gen) > 0.2
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    paper = value_widths(probs, store.value_high_bytes()[:, :, first:], T, 32)[:, :, : store.n_full - first]
+
+    def rows_at(idx):
+        return store.high_bytes_at(idx + first)
+
+    ours = block_value_widths(probs, store.v_exp, rows_at, T, 32, v_block, first)
+    return store, paper, ours
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    groups=st.integers(1, 3),
+    hkv=st.integers(1, 2),
+    n=st.integers(64, 300),
+    q_len=st.integers(1, 3),
+    v_block=st.sampled_from([2, 8, 16, 32, 64]),
+    first=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_block_rule_never_reads_fewer_bits_than_the_paper_rule(b, groups, hkv, n, q_len, v_block, first, seed):
+    """Random values of very different sizes, exact zeros, GQA, chunks, masks, a sliding window's first
+    visible token and the fp16 tail: each block reads one width, at least every token's own."""
+    store, paper, ours = block_case(b, groups * hkv, hkv, n, 8, q_len, v_block, seed, first)
+    assert ours.shape == paper.shape == (b, hkv, store.n_full - first)
+    assert bool((ours >= paper).all())
+    blocks = torch.nn.functional.pad(ours, (first, 0), value=-1).unflatten(-1, (-1, v_block))
+    seen = blocks[..., -(-first // v_block) :, :]  # the blocks wholly in view
+    assert bool((seen == seen[..., :1]).all())  # one width per block
+
+
+def test_block_rule_exponent_bytes_are_the_blocks_largest_fields():
+    store, _, _ = block_case(1, 2, 1, 200, 16, 1, 16, seed=3)
+    fields = (store.v_a >> 2) & 0x1F
+    assert store.v_exp.shape == (1, 1, 192 // 16, 16)
+    assert torch.equal(store.v_exp, fields.unflatten(2, (-1, 16)).amax(3))
+    store.drop_blocks(1)  # a sliding layer's oldest 64 tokens: their 4 exponent rows go too
+    assert torch.equal(store.v_exp, fields[:, :, 64:].unflatten(2, (-1, 16)).amax(3))
+    with pytest.raises(InvalidParameterError, match="value_block 48 must divide"):
+        PlaneStore(value_block=48).append(torch.zeros(1, 1, 1, 8).half(), torch.zeros(1, 1, 1, 8).half())
+
+
+def test_block_rule_on_real_values_reads_fewer_bits_than_16_and_no_fewer_than_the_paper(stories):
+    """stories260K's values after a 300-token prompt: the block rule stays between the paper's widths and 16."""
+    from kvquant.analysis.capture import capture_kv
+
+    model, tok = stories
+    text = "Once upon a time there was a little girl named Lily. She liked to play in the park with her dog. " * 6
+    ids = tok(text, return_tensors="pt").input_ids[0][:300]
+    for k, v in capture_kv(model, ids):
+        store = PlaneStore(value_block=32)
+        store.append(k.half(), v.half())
+        q = k[:, :, -1:].repeat_interleave(2, dim=1).float()  # 8 query heads on 4 KV heads
+        probs = scores(q, k.half(), None, 8**-0.5, None, torch.float64)
+        paper = value_widths(probs, store.value_high_bytes(), T, 32)[:, :, : store.n_full]
+        ours = block_value_widths(probs, store.v_exp, store.high_bytes_at, T, 32, 32)
+        assert bool((ours >= paper).all()) and float(ours.double().mean()) < 16

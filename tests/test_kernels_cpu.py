@@ -223,7 +223,9 @@ def test_gear_matches_reference(built, threads, case):
 # ---------------------------------------------------------------- AlignedKV planes, truncation
 
 
-def plane_store(batch: int, kv_heads: int, length: int, head_dim: int, tiny: bool, blockwise: bool, seed: int):
+def plane_store(
+    batch: int, kv_heads: int, length: int, head_dim: int, tiny: bool, blockwise: bool, seed: int, value_block: int = 0
+):
     """A ``PlaneStore`` filled as ``AlignedLayer`` fills it (a prefill, then single tokens); ``tiny``
     puts zeros and values below 2^-16 in, so plane A reads as ±0 somewhere (the ±0 rule applies)."""
     from kvquant.formats.planes import PlaneStore
@@ -235,7 +237,7 @@ def plane_store(batch: int, kv_heads: int, length: int, head_dim: int, tiny: boo
         k[..., 0, :3], v[..., 1, :], v[..., 2, 1::2] = 0.0, -1e-7, 3e-6
     else:  # away from zero: no plane-A byte reads as ±0
         k, v = k.sign() * (k.abs() + 0.01), v.sign() * (v.abs() + 0.01)
-    store = PlaneStore(block_exponents=blockwise)
+    store = PlaneStore(block_exponents=blockwise, value_block=value_block)
     first = max(1, length - 3)
     store.append(k[:, :, :first].half(), v[:, :, :first].half())
     for t in range(first, length):
@@ -329,6 +331,45 @@ def test_aligned_rule_decides_the_torch_rules_widths(built, threads, shape, tiny
     if q_len > 1:
         with pytest.raises(RuntimeError, match="a multi-token step needs its mask"):
             kernels_cpu.attend_aligned(q, store, k_widths=wk, v8=v8, v_thresholds=(4, 8), topk=32)
+
+
+@pytest.mark.parametrize("shape", PLANE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_aligned_block_rule_decides_the_torch_rules_widths(built, threads, shape):
+    """The block-bound rule in C++ (``block_rule``: the exponent bytes kept at append, no pass over plane
+    A) against ``kvquant.alignment.block_value_widths`` on the same fp64 scores: the same widths, block for
+    block, never fewer bits than the paper's rule, and the output of fp64 attention at those widths."""
+    from kvquant.alignment import block_value_widths, high_byte_values, value_widths
+    from kvquant.formats.planes import scores as _scores
+
+    b, hq, hkv, q_len, length, d, blockwise = shape
+    q = torch.randn(b, hq, q_len, d, generator=torch.Generator().manual_seed(3)) * 2
+    mask = causal_padding_mask(b, q_len, length, [min(i * 7, length - q_len) for i in range(b)])
+    v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
+    for v_block, topk, thresholds in ((16, 32, (4.0, 8.0)), (64, 5, (2.5, 6.5))):
+        store = plane_store(b, hkv, length, d, True, blockwise, seed=length + d, value_block=v_block)
+        nb = store.n_full // 64
+        wk = random_widths(b, hkv, nb, d, seed=1) if blockwise else random_widths(b, hkv, d, seed=1)
+        keys = store.read_keys(wk, torch.float32)
+        scores = _scores(q, keys, mask, d**-0.5, None, torch.float64)
+        if nb:
+            expected = block_value_widths(scores, store.v_exp, store.high_bytes_at, thresholds, topk, v_block)
+        else:
+            expected = torch.empty(b, hkv, 0, dtype=torch.int32)
+        out, wv = kernels_cpu.attend_aligned(
+            q,
+            store,
+            k_widths=wk,
+            v8=v8,
+            v_thresholds=thresholds,
+            topk=topk,
+            v_block=v_block,
+            block_rule=True,
+            mask=mask,
+        )
+        assert torch.equal(wv, expected)
+        paper = value_widths(scores, store.value_high_bytes(), thresholds, topk)[:, :, : store.n_full]
+        assert bool((wv >= paper).all())
+        assert_close(out, reference(q, keys, store.read_values(expected, torch.float32), mask))
 
 
 def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):

@@ -24,6 +24,7 @@ from kvquant.alignment import (
     accumulation_margin,
     block_exponent_field,
     block_key_widths,
+    block_value_widths,
     block_widths,
     exponent_gaps,
     key_widths,
@@ -119,6 +120,8 @@ class PlaneStore(FormatState):
     tiny_v: bool = False
     block_exponents: bool = False
     k_exp: torch.Tensor | None = None
+    value_block: int = 0  # > 0: keep v_exp, the block-bound value rule's exponent bytes per value_block tokens
+    v_exp: torch.Tensor | None = None
     visible: int = 0  # the newest tokens this step's attention sees (a sliding layer's window)
     _empty: bool = field(default=True, repr=False)
 
@@ -148,7 +151,7 @@ class PlaneStore(FormatState):
                 setattr(self, name, fn(tensor))
 
     def tensors_v(self) -> list[torch.Tensor | None]:
-        return [self.v_a, self.v_b, self.v_c, self.tail_v]
+        return [self.v_a, self.v_b, self.v_c, self.tail_v, self.v_exp]
 
     @property
     def first_visible(self) -> int:
@@ -161,6 +164,8 @@ class PlaneStore(FormatState):
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append fp16 ``k``/``v`` ``[b, h, t, d]``; every completed 64-token block moves into planes."""
+        if self.value_block and BLOCK % self.value_block:
+            raise InvalidParameterError(f"value_block {self.value_block} must divide the {BLOCK}-token plane block")
         if k.shape[-1] % 8:
             raise InvalidParameterError(f"head_dim {k.shape[-1]} must be a multiple of 8 for the plane layout")
         absmax = k.abs().amax(dim=2)
@@ -179,7 +184,7 @@ class PlaneStore(FormatState):
     def kept(self, n: int) -> PlaneStore:
         """A store of the same kind holding only the oldest ``n`` tokens, rebuilt from them read at 16 bits
         (the fp16 appended, exactly): planes, running max and block exponents as if nothing came after."""
-        fresh = type(self)(block_exponents=self.block_exponents)
+        fresh = type(self)(block_exponents=self.block_exponents, value_block=self.value_block)
         if n:
             fresh.append(self.read_keys(16)[:, :, :n].contiguous(), self.read_values(16)[:, :, :n].contiguous())
         return fresh
@@ -195,6 +200,8 @@ class PlaneStore(FormatState):
                 setattr(self, name, getattr(self, name)[:, :, n_blocks:].clone())
         for name in ("v_a", "v_b", "v_c"):
             setattr(self, name, getattr(self, name)[:, :, n_blocks * BLOCK :].clone())
+        if self.v_exp is not None:
+            self.v_exp = self.v_exp[:, :, n_blocks * BLOCK // self.value_block :].clone()
         self.n_tokens -= n_blocks * BLOCK
 
     def _store_blocks(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -207,6 +214,8 @@ class PlaneStore(FormatState):
         if self.block_exponents:
             new = (*new, block_exponent_field(new[0]))
         names = ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c", "k_exp")[: len(new)]
+        if self.value_block:  # per block of value_block tokens and channel: the largest exponent field
+            new, names = (*new, ((new[3] >> 2) & 0x1F).unflatten(2, (-1, self.value_block)).amax(3)), (*names, "v_exp")
         for name, tensor in zip(names, new, strict=True):
             old = getattr(self, name)
             setattr(self, name, tensor if old is None else torch.cat([old, tensor], dim=2))
@@ -258,6 +267,19 @@ class PlaneStore(FormatState):
         out[:, :, n:] = self.tail_v
         return out
 
+    def high_bytes_at(self, idx: torch.Tensor) -> torch.Tensor:
+        """Plane A of the tokens ``idx`` ``[b, h, m]`` (indices among those held) ``[b, h, m, d]`` (uint8):
+        the rows ``O_est`` reads, without assembling plane A of every token."""
+        d = self.tail_v.shape[-1]
+
+        def rows(plane: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+            return plane.gather(2, at.clamp(0, plane.shape[2] - 1).unsqueeze(-1).expand(-1, -1, -1, d))
+
+        tail = (fp16_bits(self.tail_v) >> 8).to(torch.uint8)
+        if self.v_a is None or not tail.shape[2]:
+            return rows(tail, idx) if self.v_a is None else rows(self.v_a, idx)
+        return torch.where((idx < self.n_full).unsqueeze(-1), rows(self.v_a, idx), rows(tail, idx - self.n_full))
+
     def value_high_bytes(self) -> torch.Tensor:
         """Plane A of every value, tail included ``[b, h, L, d]`` (uint8)."""
         tail = (fp16_bits(self.tail_v) >> 8).to(torch.uint8)
@@ -271,7 +293,9 @@ class AlignedRule:
     many tokens, counted from the store's first token; 1 = the paper), ``blockwise`` (AlignedKV+: key
     widths per 64-token block from the block exponents), ``margin`` binades added to every threshold and
     ``accumulation`` (add ``accumulation_margin(n)`` for the ``n`` addends of each sum), and the model's
-    logit ``softcap`` (the scores the value rule reads are soft-capped as attention's are)."""
+    logit ``softcap`` (the scores the value rule reads are soft-capped as attention's are). ``value_rule``:
+    ``token`` (the paper: per token, from plane A) or ``block`` (``kvquant.alignment.block_value_widths``:
+    per ``v_block`` tokens, from the exponent bytes kept at append time)."""
 
     k_thresholds: tuple[float, float] = (4, 8)
     v_thresholds: tuple[float, float] = (4, 8)
@@ -281,6 +305,7 @@ class AlignedRule:
     margin: float = 0.0
     accumulation: bool = False
     softcap: float | None = None
+    value_rule: str = "token"
 
     def thresholds(self, thresholds: tuple[float, float], n_addends: int) -> tuple[float, float]:
         """``thresholds`` raised by the margin (and the accumulation margin for ``n_addends``)."""
@@ -349,7 +374,16 @@ def decide_widths(
     wk = step_key_widths(store, rule, query)
     keys = keys_at(store, wk, query.dtype)[:, :, first:]
     probs = scores(query, keys, mask, scaling, rule.softcap, torch.float64)
-    wv_all = value_widths(probs, store.value_high_bytes()[:, :, first:], rule.v_tiers(store.visible), rule.topk, gaps)
+    tiers = rule.v_tiers(store.visible)
+    if rule.value_rule == "block":
+        if store.v_exp is None:  # no block stored yet: nothing read from planes
+            return keys, wk, torch.empty(*wk.shape[:2], 0, dtype=torch.int32, device=wk.device)
+
+        def rows_at(idx: torch.Tensor) -> torch.Tensor:
+            return store.high_bytes_at(idx + first)
+
+        return keys, wk, block_value_widths(probs, store.v_exp, rows_at, tiers, rule.topk, rule.v_block, first)
+    wv_all = value_widths(probs, store.value_high_bytes()[:, :, first:], tiers, rule.topk, gaps)
     wv = block_widths(wv_all[:, :, : max(0, store.n_full - first)], rule.v_block, first)
     return keys, wk, wv
 

@@ -50,11 +50,12 @@ class AlignedLayer(KVLayer):
         self.head_widths_v = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.capture_products = False
         self.products: dict[str, torch.Tensor] | None = None
-        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor, int]] = []
+        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor, int, int]] = []
 
     def new_store(self) -> PlaneStore:
         """Planes in the layout every backend reads, as the backend's class for them (CuPy packs on the GPU)."""
-        return self.backend.new_state(PlaneStore, block_exponents=self.rule.blockwise)
+        value_block = self.rule.v_block if self.rule.value_rule == "block" else 0
+        return self.backend.new_state(PlaneStore, block_exponents=self.rule.blockwise, value_block=value_block)
 
     def attended_state(self) -> PlaneStore:
         return self.store
@@ -153,19 +154,21 @@ class AlignedLayer(KVLayer):
         per_head_k, per_head_v = per_head_k.view(h, -1).cpu(), (per_head_v.view(h, -1) * d).cpu()
         self.head_widths_k += per_head_k
         self.head_widths_v += per_head_v
-        # metadata read each step: the per-channel max |K| (fp16), plus one exponent byte per block channel
+        # metadata read each step: the per-channel max |K| (fp16), one exponent byte per block channel of keys
+        # (AlignedKV+) and of values (the block rule)
         meta_k = 16 * b * h * d + (8 * store.k_exp.numel() if store.k_exp is not None else 0)
+        meta_v = 8 * store.v_exp.numel() if store.v_exp is not None else 0
         tail = b * h * min(store.tail_k.shape[2], store.visible) * d
-        self._pending.append((self.seen, tail, per_head_k.sum(0), per_head_v.sum(0), meta_k))
+        self._pending.append((self.seen, tail, per_head_k.sum(0), per_head_v.sum(0), meta_k, meta_v))
 
     def counts(self):
-        for position, tail, k, v, meta_k in self._pending:
+        for position, tail, k, v, meta_k, meta_v in self._pending:
             read_k = {w: int(n) for w, n in zip(WIDTHS, k.tolist(), strict=True) if n}
             read_v = {w: int(n) for w, n in zip(WIDTHS, v.tolist(), strict=True) if n}
             if tail:
                 read_k[16] = read_k.get(16, 0) + tail
                 read_v[16] = read_v.get(16, 0) + tail
-            self.count_read(read_k, read_v, position=position, meta_k=meta_k)
+            self.count_read(read_k, read_v, position=position, meta_k=meta_k, meta_v=meta_v)
         self._pending.clear()
         return super().counts()
 
@@ -213,6 +216,7 @@ class AlignedKVMethod(KVMethod):
     """
 
     blockwise: ClassVar[bool] = False
+    value_rule: ClassVar[str] = "token"
     attention: ClassVar[str | None] = KVQUANT_ATTENTION
     format: ClassVar[str] = "planes"
 
@@ -248,6 +252,7 @@ class AlignedKVMethod(KVMethod):
             margin=self.margin,
             accumulation=self.accumulation_margin,
             softcap=geometry.softcap if geometry is not None else None,
+            value_rule=self.value_rule,
         )
 
     def new_layer(self, layer_idx: int, geometry: KVGeometry, backend: Backend = TORCH) -> AlignedLayer:
@@ -301,7 +306,31 @@ class AlignedKVPlusMethod(AlignedKVMethod):
     blockwise: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class AlignedKVBlockMethod(AlignedKVMethod):
+    """AlignedKV with the block-bound value rule (beyond the paper; ``kvquant.alignment.block_value_widths``).
+
+    Values are appended with one exponent byte per block of ``v_block`` tokens and channel (their largest);
+    a step gives each block one width from that bound, the block's largest probability and ``e(O_est)``:
+    never fewer bits than the paper's rule gives any token of it, no pass over plane A beyond the top-k
+    rows ``O_est`` reads, and every read of a block one width — what a vector loop or a GPU warp needs.
+    ``v_block`` must divide the 64-token plane block (default 32: one GPU warp's tokens).
+    """
+
+    value_rule: ClassVar[str] = "block"
+    v_block: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.v_block < 2 or BLOCK % self.v_block:
+            raise InvalidParameterError(
+                f"method {self.name or 'alignedkv_block'}: v_block must divide {BLOCK} and be at least 2 "
+                f"(2, 4, 8, 16, 32 or 64), got {self.v_block}"
+            )
+
+
 register_method("alignedkv", AlignedKVMethod)
+register_method("alignedkv_block", AlignedKVBlockMethod)
 register_method("alignedkv_release", AlignedKVMethod, v_thresholds=(1, 2))
 register_method("alignedkv_plus", AlignedKVPlusMethod)
 
