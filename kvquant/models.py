@@ -58,16 +58,26 @@ def model_names() -> list[str]:
     return sorted(MODELS)
 
 
+def user_cache_root() -> Path:
+    """The user cache folder of ``kvquant``: platformdirs' where it is installed, else (a bare GPU machine
+    with only torch, transformers, numpy, cupy and pytest) ``$XDG_CACHE_HOME/kvquant``, default
+    ``~/.cache/kvquant`` — what platformdirs gives on Linux, so both find the same converted models there."""
+    try:
+        import platformdirs
+    except ImportError:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvquant"
+    return Path(platformdirs.user_cache_dir("kvquant"))
+
+
 def model_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The folder holding converted models: argument, else ``KVQUANT_CACHE_DIR``, else the user cache."""
+    """The folder holding converted models: argument, else ``KVQUANT_CACHE_DIR``, else the user cache
+    (``user_cache_root``; platformdirs is optional)."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     env = os.environ.get("KVQUANT_CACHE_DIR")
     if env:
         return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvquant")) / "models"
+    return user_cache_root() / "models"
 
 
 def _require_file(path: Path, how: str) -> Path:

@@ -47,6 +47,27 @@ def test_cache_dir_from_environment(tmp_path, monkeypatch):
     assert models.model_cache_dir(tmp_path / "x") == tmp_path / "x"
 
 
+def test_cache_dir_without_platformdirs(tmp_path):
+    """A GPU machine with only torch, transformers, numpy, cupy and pytest: the module imports and the cache
+    folder falls back to ``$XDG_CACHE_HOME/kvquant/models``, else ``~/.cache/kvquant/models``."""
+    code = (
+        "import sys; sys.modules['platformdirs'] = None\n"  # any import of it raises ImportError
+        "from kvquant import models\n"
+        "print(models.model_cache_dir())\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("KVQUANT_CACHE_DIR", "XDG_CACHE_HOME")}
+    cases = [
+        ({"XDG_CACHE_HOME": str(tmp_path / "xdg")}, tmp_path / "xdg" / "kvquant" / "models"),
+        ({"HOME": str(tmp_path / "home")}, tmp_path / "home" / ".cache" / "kvquant" / "models"),
+    ]
+    for extra, want in cases:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env={**base, **extra}, capture_output=True, text=True, cwd=ROOT
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == str(want)
+
+
 def test_unknown_model_lists_valid_names():
     with pytest.raises(UnknownNameError) as err:
         models.load_model("gpt5")
