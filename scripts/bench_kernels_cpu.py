@@ -29,7 +29,9 @@ With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on 
   many tokens (``v_block``). Each gives ``bits`` (mean bits read per K/V element, the fp16 tail at 16;
   the rule's metadata not counted), ``x`` (``attend_planes`` at those widths: time / fused fp16), ``st``
   (the whole step as ``backend=cpu`` runs it, ``kernels_cpu.attend_aligned``: the value rule on fp64
-  scores, then the attention; time / fused fp16) and ``id`` (the byte-proportional ideal, bits / 16).
+  scores, then the attention; time / fused fp16) and ``id`` (the byte-proportional ideal, bits / 16);
+- ``bk16``/``bk32``/``bk64``: the block-bound rule (``alignedkv_block``) at that ``v_block``, its whole
+  step as ``backend=cpu`` runs it (``attend_aligned`` with ``block_rule``), after its ``bits``: time / fused fp16.
 
 With ``--higgs``, HIGGS stores (``kernels_cpu.attend_higgs``; default group 1,024 channels, 4 fp16
 sinks, a 128-token fp16 window, random codes) against fused fp16 on the same shape (``fp16``, ms):
@@ -180,11 +182,14 @@ def bench_row(
 
 
 V_BLOCKS = (1, 8, 16, 64)
+BLOCK_RULE = (16, 32, 64)  # alignedkv_block's v_block values
 SPREAD = 2.5  # standard deviation of the non-sink attention logits
 
 
-def planes_inputs(hq: int, hkv: int, d: int, length: int):
-    """``(q, k, v, store)``: the synthetic K/V (module docstring) in fp16 and as planes, and a query."""
+def planes_inputs(hq: int, hkv: int, d: int, length: int, value_block: int = 0, seed: int = 0):
+    """``(q, k, v, store)``: the synthetic K/V (module docstring) in fp16 and as planes (with the block
+    rule's exponent bytes per ``value_block`` tokens where given), and a query; the same for a seed."""
+    torch.manual_seed(seed)
     from kvquant.formats.planes import PlaneStore
 
     scale = 2.0 ** (torch.rand(d) * 4 - 2)
@@ -196,16 +201,17 @@ def planes_inputs(hq: int, hkv: int, d: int, length: int):
     unit = direction / direction.norm(dim=-1, keepdim=True)
     sink = math.log(length) * d**0.5 / (q.view(1, hkv, hq // hkv, d) * unit.unsqueeze(2)).sum(-1).mean(-1)
     k[:, :, :4] = (unit * sink.unsqueeze(-1)).unsqueeze(2)
-    store = PlaneStore()
+    store = PlaneStore(value_block=value_block)
     store.append(k.half(), v.half())
     return q, k.half(), v.half(), store
 
 
-def rule_widths(q: torch.Tensor, store, v_block: int):
+def rule_widths(q: torch.Tensor, store, v_block: int, value_rule: str = "token"):
     """The rules' widths for one decode step, as the cpu backend's unfused path decides them
     (``kvquant.formats.planes.decide_widths`` with the keys and exponent gaps read in C++)."""
     store.visible = store.n_tokens
-    _, wk, wv = decide_widths(store, AlignedRule(v_block=v_block), q, None, q.shape[-1] ** -0.5, plane_keys)
+    rule = AlignedRule(v_block=v_block, value_rule=value_rule)
+    _, wk, wv = decide_widths(store, rule, q, None, q.shape[-1] ** -0.5, plane_keys)
     return wk, wv
 
 
@@ -248,10 +254,19 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
         fns[f"st{v_block}"] = lambda wk=wk, v_block=v_block: kernels_cpu.attend_aligned(
             q, store, k_widths=wk, v8=v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=v_block
         )
+    for v_block in BLOCK_RULE:  # the block rule: its own store (exponent bytes), the same K/V and query
+        _, _, _, kept = planes_inputs(hq, hkv, d, length, value_block=v_block)
+        wk, wv = rule_widths(q, kept, v_block, "block")
+        bits[f"bk{v_block}"] = bits_read(kept, wk, wv)
+        fns[f"bk{v_block}"] = lambda wk=wk, kept=kept, v_block=v_block: kernels_cpu.attend_aligned(
+            q, kept, k_widths=wk, v8=v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=v_block, block_rule=True
+        )
     t = interleaved_ms(fns, repeats, flush)
     row = f" {t['fp16']:>7.2f}" + "".join(f" {t[f'u{w}'] / t['fp16']:>5.2f}" for w in (8, 12, 16))
     for b in V_BLOCKS:
         row += f" {bits[b]:>5.2f} {t[f'vb{b}'] / t['fp16']:>5.2f} {t[f'st{b}'] / t['fp16']:>5.2f} {bits[b] / 16:>5.2f}"
+    for b in BLOCK_RULE:
+        row += f" {bits[f'bk{b}']:>5.2f} {t[f'bk{b}'] / t['fp16']:>5.2f}"
     return row
 
 
@@ -299,7 +314,8 @@ def higgs_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torch
 
 def planes_header() -> str:
     head = f"{'shape':<15} {'ctx':>6} {'fp16':>7} {'u8':>5} {'u12':>5} {'u16':>5}"
-    return head + "".join(f" {'bits':>5} {f'vb{b}':>5} {f'st{b}':>5} {'id':>5}" for b in V_BLOCKS)
+    head += "".join(f" {'bits':>5} {f'vb{b}':>5} {f'st{b}':>5} {'id':>5}" for b in V_BLOCKS)
+    return head + "".join(f" {'bits':>5} {f'bk{b}':>5}" for b in BLOCK_RULE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from kvquant import get_method
 from kvquant.backends import check_backend, choices, get_backend, select_backend
 from kvquant.errors import InvalidParameterError
 
@@ -43,3 +45,48 @@ def test_the_library_imports_no_kernels_package():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+FORMATS = {
+    "fp16": {},
+    "truncation": {},
+    "kivi2": {"group_size": 8, "residual": 32},
+    "gear2": {"group_size": 8, "residual": 32},
+    "alignedkv": {},
+    "alignedkv_block": {},
+    "higgs": {"window": 16},
+    "aquakv": {"window": 16},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_cpu_kernel_attends_as_the_torch_reference_on_the_same_state(stories, predictor_root, monkeypatch, name):
+    """The protocol itself: after a real prefill on the C++ backend, ``attend`` over a layer's state equals
+    the torch reference's (``kvquant.formats.attend``) on that state — the same output within fp32
+    summation order and, where a rule chooses, the same widths; a bf16 query takes the planes' unfused path."""
+    from conftest import require_kernels_cpu
+
+    from kvquant.backends import TORCH
+
+    require_kernels_cpu()
+    model, tok = stories
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(predictor_root(model, tok)))
+    method = get_method(name, backend="cpu", **FORMATS[name])
+    ids = tok("Once upon a time, there was a little girl named Lily. " * 8, return_tensors="pt").input_ids[:, :90]
+    with method.attach(model), torch.no_grad():
+        cache = method.new_cache(model)
+        model(ids, past_key_values=cache)
+    layer = cache.layers[-1]  # the last layer: AQUA-KV's workspace rows are still this forward's
+    if hasattr(layer, "kernel_rope"):  # HIGGS/AQUA-KV: the step's RoPE inputs, which attention consumed
+        layer.state.rope = layer.kernel_rope()
+    cpu = get_backend("cpu")
+    # a bf16 query: the planes' unfused path (elsewhere the reference reads K/V in bf16, the kernels in fp32)
+    for dtype in (torch.float32, torch.bfloat16) if method.format == "planes" else (torch.float32,):
+        query = torch.randn(1, model.config.num_attention_heads, 1, 8, generator=torch.Generator().manual_seed(1))
+        query = query.to(dtype)
+        want, want_reads = TORCH.attend(layer.attended_state(), layer.rule, query, None, 8**-0.5)
+        got, reads = cpu.attend(layer.attended_state(), layer.rule, query, None, 8**-0.5)
+        tol = {"rtol": 2e-2, "atol": 4e-3} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        for mine, theirs in ((reads.k_widths, want_reads.k_widths), (reads.v_widths, want_reads.v_widths)):
+            assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs))
