@@ -32,7 +32,7 @@ lint:
 	$(VENV)/bin/ruff check .
 
 bench:
-	HF_HUB_OFFLINE=1 $(PY) scripts/bench_decode.py
+	HF_HUB_OFFLINE=1 $(PY) run.py experiment=bench_kv_methods logger=none
 
 # Every figure and table of the paper artefacts from the committed results/ (no model, no compute).
 figures:

@@ -101,7 +101,7 @@ def decode_times(
     from kvquant.eval.fidelity import greedy_decode
     from kvquant.methods import get_method
 
-    fp16 = get_method(BASELINE)
+    fp16 = get_method(BASELINE, backend="torch")  # the documented baseline: the torch path, whatever the default
     floors = floors or {}
     times: dict[str, list[float]] = {name: [] for name in (*methods, *floors)}
     for rep in range(repeats + 1):

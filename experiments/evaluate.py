@@ -55,7 +55,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None, loaded: tuple | None
     method = get_method(cfg.method.name, **params_of(cfg.method))
     task = get_task(cfg.task.name, **params_of(cfg.task))
     model, tokenizer, device = loaded or load(cfg)
-    reference = None if cfg.method.name == REFERENCE_METHOD else get_method(REFERENCE_METHOD)
+    # fidelity is to fp16 as transformers computes it: the torch reference, whatever backend is the default
+    reference = None if cfg.method.name == REFERENCE_METHOD else get_method(REFERENCE_METHOD, backend="torch")
     cuda = device.startswith("cuda")
     if cuda:  # the peak of prefill and decode over what the model already holds
         torch.cuda.reset_peak_memory_stats()

@@ -69,7 +69,7 @@ def references(model, prompts: list[torch.Tensor], new_tokens: int) -> list[Deco
     untimed warm-up decode comes first)."""
     from kvquant.methods import get_method
 
-    fp16 = get_method("fp16")
+    fp16 = get_method("fp16", backend="torch")  # the reference as transformers computes it
     with fp16.attach(model):
         greedy_decode(model, prompts[0], fp16.new_cache(model), min(new_tokens, 2))
         return [greedy_decode(model, p, fp16.new_cache(model), new_tokens) for p in prompts]

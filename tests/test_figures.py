@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,6 @@ def test_every_artefact_is_discovered_and_committed():
 
 def test_make_figures_from_committed_results(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
-    started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.figures", "--out", str(tmp_path)],
         cwd=ROOT,
@@ -43,9 +41,7 @@ def test_make_figures_from_committed_results(tmp_path):
         text=True,
         timeout=300,
     )
-    elapsed = time.perf_counter() - started
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert elapsed < 60, f"make figures took {elapsed:.0f} s"
+    assert proc.returncode == 0, proc.stderr[-2000:]  # no wall-clock bound: a loaded CI machine is not a benchmark
     printed = {Path(line) for line in proc.stdout.splitlines()}
     for name in artefact_names():
         stem = tmp_path / name

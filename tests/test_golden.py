@@ -15,7 +15,7 @@ import pytest
 import torch
 from golden import OUT, decode
 
-from kvquant import get_method, load_model, method_names
+from kvquant import get_method, method_names
 from kvquant.eval.fidelity import NEAR_TIE
 
 pytestmark = pytest.mark.numerics
@@ -36,15 +36,16 @@ ROUNDING = ("kivi", "gear", "higgs", "aquakv")
 # on), so there their bits are held exactly and their tokens only on stories260k.
 
 
+FIXTURES = {"smollm2_135m": "smollm2"}  # conftest's session fixture of each other golden model
+
+
 @pytest.fixture(scope="module")
-def loaded(stories, predictor_root):
-    """Each golden model, with AQUA-KV predictors calibrated as the recording did, and their folder."""
-    models = {"stories260k": stories}
+def loaded(request, stories, predictor_root):
+    """Each golden model (the session's, loaded once per worker), with AQUA-KV predictors calibrated as
+    the recording did, and their folder."""
 
     def get(name: str):
-        if name not in models:
-            models[name] = load_model(name, device="cpu")
-        model, tok = models[name]
+        model, tok = stories if name == "stories260k" else request.getfixturevalue(FIXTURES[name])
         return model, predictor_root(model, tok)
 
     return get
