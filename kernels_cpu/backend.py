@@ -102,7 +102,9 @@ def v8_magnitudes() -> torch.Tensor:
 
 def plane_keys(store: Any, wk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The keys read at ``wk`` in one C++ pass: the same bits as ``PlaneStore.read_keys``."""
-    return ops.read_plane_keys(store.k_a, store.k_b, store.k_c, store.tail_k, k_widths=wk, tiny_k=store.tiny_k).to(dtype)
+    return ops.read_plane_keys(store.k_a, store.k_b, store.k_c, store.tail_k, k_widths=wk, tiny_k=store.tiny_k).to(
+        dtype
+    )
 
 
 def attend_planes(store: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:
