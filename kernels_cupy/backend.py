@@ -19,28 +19,41 @@ from kvquant.formats.base import Reads, causal_allowed
 STATES = {"planes": KernelPlaneStore}
 
 
+BLOCK_RULE_V_BLOCKS = (32, 64)  # the block rule's v_block here: whole warps of 32 tokens at one width
+
+
 def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
-    """What of a model or rule these kernels lack: logit soft-capping, sliding windows, value widths per
-    block (``v_block`` > 1)."""
+    """What of a model or rule these kernels lack: logit soft-capping, sliding windows, the paper's value
+    rule per block (``v_block`` > 1 with ``value_rule`` token), and the block rule's ``v_block`` other than
+    32 or 64."""
     missing = []
     if geometry.softcap is not None:
         missing.append(f"attention-logit soft-capping ({geometry.softcap})")
     if geometry.sliding_window is not None:
         missing.append(f"sliding-window layers ({geometry.sliding_window})")
-    if rule is not None and rule.v_block > 1:
-        missing.append(f"value widths per block (v_block={rule.v_block})")
+    if rule is not None:
+        block_rule = getattr(rule, "value_rule", "token") == "block"
+        if block_rule and rule.v_block not in BLOCK_RULE_V_BLOCKS:
+            missing.append(f"the block rule at v_block={rule.v_block} (v_block a multiple of 32 here: 32 or 64)")
+        elif not block_rule and rule.v_block > 1:
+            missing.append(f"value widths per block (v_block={rule.v_block})")
     return missing
 
 
 def attend(store: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:
-    """The backend protocol: K widths, QKᵀ, softmax, V widths and SV on the GPU; a multi-token step
-    without a mask is causal, spelled out for the kernels."""
+    """The backend protocol: K widths, QKᵀ, softmax, V widths and SV on the GPU in three launches; a
+    multi-token step without a mask is causal, spelled out for the kernels."""
     from kernels_cupy.ops import aligned_attention
 
+    value_rule = getattr(rule, "value_rule", "token")
+    if value_rule == "block" and store.value_block != rule.v_block:
+        raise ValueError(f"the store keeps value exponents per {store.value_block} tokens, the rule {rule.v_block}")
     if mask is None and query.shape[2] > 1:
         mask = causal_allowed(query.shape[2], store.n_tokens, query.device)
     k_tiers, v_tiers = rule.k_tiers(query.shape[-1]), rule.v_tiers(store.n_tokens)
-    out, wk, wv = aligned_attention(store, query, mask, scaling, k_tiers, v_tiers, rule.topk, rule.blockwise)
+    out, wk, wv = aligned_attention(
+        store, query, mask, scaling, k_tiers, v_tiers, rule.topk, rule.blockwise, value_rule=value_rule
+    )
     return out.to(query.dtype), Reads(wk, wv)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("pack.cu", "qk.cu", "sv.cu")
+SOURCES = ("pack.cu", "qk.cu", "softmax.cu", "sv.cu")
 HEADER = "planes.cuh"
 NVRTC_OPTIONS = ("-std=c++17",)
 CUDA_ATTR_SHARED_OPTIN = 97  # cudaDevAttrMaxSharedMemoryPerBlockOptin

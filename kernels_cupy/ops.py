@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 BLOCK = 64
 THREADS = 256
 INT_MAX = 2**31 - 1
-TOKENS_PER_STEP = 4  # sv.cu TOKENS_PER_STEP
 TILE_STRIDE = 66  # pack.cu / qk.cu TILE_STRIDE
 FP16_MAX = 65504.0  # kvquant.cache.FP16_MAX (not imported: kvquant.cache needs transformers)
 ALIGN = 16  # bytes: the widest vector load (uint4) any kernel makes from a tensor's start
@@ -99,11 +98,14 @@ def _geometry(store: PlaneStore, query: torch.Tensor) -> tuple[int, int, int, in
 
 
 def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
-    """``PlaneStore.append`` with the plane split, the max ``|K|`` and the block exponents done by one kernel pass.
+    """``PlaneStore.append`` with the plane split, the max ``|K|``, the key block exponents and the value
+    exponent bytes (``store.value_block`` > 0: the block rule's ``v_exp``) done by one kernel pass.
 
     ``k``/``v``: ``[b, h, t, d]`` on a CUDA device (cast to fp16, as the store holds). The tails the
     store keeps are always its own aligned copies, never the caller's tensors.
     """
+    if store.value_block and BLOCK % store.value_block:
+        raise InvalidParameterError(f"value_block {store.value_block} must divide the {BLOCK}-token plane block")
     check_head_dim(k.shape[-1])
     check_storable(k, "key")
     check_storable(v, "value")
@@ -135,11 +137,13 @@ def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
         }
         if store.block_exponents:
             planes["k_exp"] = torch.empty(b, h, n_blk, d, **u8)
+        if store.value_block:
+            planes["v_exp"] = torch.empty(b, h, full // store.value_block, d, **u8)
     flags = torch.zeros(2, dtype=torch.int32, device=k.device)
     if n:
-        names = ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c", "k_exp")
+        names = ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c", "k_exp", "v_exp")
         args = (ptr(chunk_k), ptr(chunk_v), i32(n), i32(full), i32(d), *(ptr(planes.get(x)) for x in names))
-        args = (*args, ptr(store.k_absmax), i32(n_blk), i32(0), ptr(flags))
+        args = (*args, ptr(store.k_absmax), i32(n_blk), i32(0), i32(store.value_block), ptr(flags))
         launch("pack.cu", "pack_kv", (math.ceil(n / BLOCK), b * h), THREADS, args, shared_mem=d * TILE_STRIDE * 2)
     if n_blk:
         tiny_k, tiny_v = flags.tolist()
@@ -155,21 +159,130 @@ def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
     store.tail_k, store.tail_v = chunk_k, chunk_v
 
 
-def qk(
+def qk_split(n_units: int, bh: int, sms: int) -> tuple[int, int]:
+    """``(blocks per CTA, CTAs per KV head)`` of a QK launch: about 16 CTAs per SM over all KV heads."""
+    per_cta = max(1, math.ceil(n_units * bh / (sms * 16)))
+    return per_cta, math.ceil(n_units / per_cta)
+
+
+def softmax_split(n_tokens: int, topk: int, rows: int, sms: int) -> tuple[int, int]:
+    """``(tokens per CTA, CTAs per query row)`` of ``softmax_topk``: about 16 CTAs per SM over all ``rows``
+    (batch · KV heads · rows per head), at least 16 strided rows each; a CTA's tokens are whole strided
+    rows of ``topk`` (the top-k partials of a split are residue classes restricted to its tokens)."""
+    stride = topk if topk > 0 else BLOCK
+    n_strided = math.ceil(n_tokens / stride)
+    wanted = max(1, math.ceil(sms * 16 / rows))
+    rows_per_split = max(16, math.ceil(n_strided / wanted))
+    return rows_per_split * stride, math.ceil(n_strided / rows_per_split)
+
+
+def sv_split(n_tokens: int, bh: int, sms: int) -> tuple[int, int]:
+    """``(tokens per CTA, CTAs per KV head)`` of an SV launch: about 4 CTAs per SM over all KV heads, each
+    a multiple of 64 tokens (whole value blocks; every warp's 32-token group inside one) and at least one
+    group per warp."""
+    wanted = max(1, math.ceil(sms * 4 / bh))
+    per_cta = max(THREADS, math.ceil(n_tokens / wanted))
+    per_cta = math.ceil(per_cta / BLOCK) * BLOCK
+    return per_cta, math.ceil(n_tokens / per_cta)
+
+
+def sv_lanes(d: int) -> tuple[int, int]:
+    """``(channels per lane, lanes per token row)`` of ``sv.cu``: 16 channels (a 16-byte load of plane A)
+    where ``d`` is a multiple of 16, else 8; the lanes of a row padded to a power of two."""
+    cpt = 16 if d % 16 == 0 else 8
+    return cpt, 1 << (d // cpt - 1).bit_length()
+
+
+def sv_rows(rows: int) -> int:
+    """Query rows ``sv.cu`` accumulates at once (1, 2 or 4; more rows loop over groups of 4)."""
+    return 1 if rows == 1 else (2 if rows == 2 else 4)
+
+
+def sv_shared_bytes(d: int, rc: int) -> int:
+    return d * 4 + (THREADS // 32) * rc * d * 4
+
+
+def softmax_shared_bytes(topk: int) -> int:
+    return max(THREADS, topk) * 8
+
+
+def merge_softmax_partials(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, l)`` of a row from per-split ``(m_i, l_i)`` ``[..., n, 2]``, in split order as ``softmax.cu``:
+    ``m = max m_i``, ``l = Σ l_i · exp(m_i − m)`` (splits with ``m_i = −inf`` add nothing)."""
+    m_i, l_i = partials[..., 0], partials[..., 1]
+    m = m_i.amax(dim=-1)
+    total = torch.zeros_like(m)
+    finite = m != float("-inf")
+    for i in range(partials.shape[-2]):
+        term = torch.where(m_i[..., i] != float("-inf"), l_i[..., i] * torch.exp(m_i[..., i] - m), 0.0)
+        total = torch.where(finite, total + term, total)
+    return m, total
+
+
+def split_softmax(logits: torch.Tensor, tokens_per_split: int) -> torch.Tensor:
+    """fp32 probabilities from logits ``[..., L]`` as QK and ``softmax.cu`` compute them: per split of
+    ``tokens_per_split`` tokens ``(max, Σ exp(x − max))``, merged by ``merge_softmax_partials``, then
+    ``exp(x − m) / l``; 0 where ``x = −inf`` or the whole row is masked. The CPU check of the merge."""
+    x = logits.float()
+    parts = []
+    for start in range(0, x.shape[-1], tokens_per_split):
+        chunk = x[..., start : start + tokens_per_split]
+        m = chunk.amax(dim=-1)
+        safe = torch.where(m == float("-inf"), 0.0, m)
+        parts.append(torch.stack([m, torch.exp(chunk - safe.unsqueeze(-1)).sum(dim=-1)], dim=-1))
+    m, total = merge_softmax_partials(torch.stack(parts, dim=-2))
+    probs = torch.exp(x - torch.where(m == float("-inf"), 0.0, m).unsqueeze(-1)) / total.unsqueeze(-1)
+    return torch.where((x == float("-inf")) | (m == float("-inf")).unsqueeze(-1), 0.0, probs)
+
+
+def step_launches(rows: int, d: int, budget: int) -> int:
+    """Kernel launches of one ``aligned_attention`` step: QK (one per row chunk), ``softmax_topk``, SV."""
+    return len(row_chunks(rows, *qk_shared_bytes(d), budget, "QKᵀ")) + 2
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 zeros on ``device`` for the kernels' last-CTA tickets, reused: every kernel leaves its
+    counters at zero, so a step (or a CUDA graph replay of it) needs no memset. Allocated outside a capture
+    (warm up before capturing); one step at a time per device (two streams at once would share them)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    have = _COUNTERS.get(index)
+    if have is None or have.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kernels_cupy: run the step once before capturing it in a CUDA graph (ticket counters)")
+        _COUNTERS[index] = have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
+
+
+def mask_arg(
+    mask: torch.Tensor | None, b: int, hq: int, q_len: int, n: int
+) -> tuple[torch.Tensor | None, int, tuple[int, int, int, int]]:
+    """``(tensor, kind, element strides)`` of an attention mask for ``qk.cu``: bool (kind 1, read as bytes)
+    or additive (kind 2, fp32), broadcast to ``[b, hq, q_len, n]`` without copying (strides 0)."""
+    if mask is None:
+        return None, 0, (0, 0, 0, 0)
+    m = mask[..., :n]
+    if m.dtype == torch.bool:
+        m, kind = m.view(torch.uint8), 1
+    else:
+        m, kind = m.float(), 2
+    m = torch.broadcast_to(m, (b, hq, q_len, n))
+    return m, kind, tuple(int(x) for x in m.stride())
+
+
+def _qk(
     store: PlaneStore,
     query: torch.Tensor,
     scaling: float,
-    k_thresholds: tuple[float, float] = (4, 8),
-    blockwise: bool = False,
-    full: bool = False,
-    return_keys: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Scaled logits ``[b, hq, q_len, L]`` (fp32) from keys read at the rule's widths.
-
-    Returns ``(logits, wk, keys)``: ``wk`` as ``key_widths`` (``[b, hkv, d]``) or, for AlignedKV+ with
-    block exponents, ``block_key_widths`` (``[b, hkv, blocks, d]``); ``None`` for the 16-bit control
-    (``full``). ``keys`` (``[b, hkv, L, d]`` fp16, only with ``return_keys``) is what was read.
-    """
+    k_thresholds: tuple[float, float],
+    blockwise: bool,
+    full: bool,
+    return_keys: bool,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, int]:
+    """QKᵀ launches: ``(masked logits [b, hq, q_len, L], wk, keys, partial_ml [bh, rows, n_qk, 2], n_qk)``."""
     b, hq, q_len, d, hkv, rows, n_tokens = _geometry(store, query)
     q = kernel_arg(query.float())
     n_tail = store.tail_k.shape[2]
@@ -182,13 +295,18 @@ def qk(
         wk = torch.empty((b, hkv, n_blk, d) if use_blocks else (b, hkv, d), dtype=torch.int32, device=dev)
     keys = torch.empty(b, hkv, n_tokens, d, dtype=torch.float16, device=dev) if return_keys else None
     n_units = n_blk + (1 if n_tail else 0)
-    per_cta = max(1, math.ceil(n_units * b * hkv / (sm_count(dev.index or 0) * 16)))
+    per_cta, n_qk = qk_split(n_units, b * hkv, sm_count(dev.index or 0))
+    partial_ml = torch.empty(b * hkv, rows, n_qk, 2, dtype=torch.float32, device=dev)
     name = "qk_full" if full else ("qk_aligned_blockwise" if use_blocks else "qk_aligned")
     t12, t8 = tiers(k_thresholds)
     k_a, k_b, k_c, tail_k, k_absmax = (
         kernel_arg(x) for x in (store.k_a, store.k_b, store.k_c, store.tail_k, store.k_absmax)
     )
     k_exp = kernel_arg(store.k_exp) if use_blocks else None
+    m, kind, (msb, msh, msq, msn) = mask_arg(mask, b, hq, q_len, n_tokens)
+    if m is not None and m.device != dev:
+        raise ValueError(f"the attention mask is on {m.device}, the query on {dev}")
+    mask_ptr = np.uint64(m.data_ptr()) if m is not None else np.uint64(0)
     per_row, fixed = qk_shared_bytes(d)
     chunks = row_chunks(rows, per_row, fixed, shared_memory_budget(dev.index or 0), "QKᵀ")
     q_max_bits = None
@@ -208,6 +326,16 @@ def qk(
             ptr(logits),
             ptr(wk if first else None),
             ptr(keys if first else None),
+            ptr(partial_ml),
+            mask_ptr,
+            i32(kind),
+            np.int64(msb),
+            np.int64(msh),
+            np.int64(msq),
+            np.int64(msn),
+            i32(hq // hkv),
+            i32(q_len),
+            i32(hkv),
             i32(rc),
             i32(rows),
             i32(row0),
@@ -220,62 +348,147 @@ def qk(
             i32(t12),
             i32(t8),
         )
-        launch("qk.cu", name, (math.ceil(n_units / per_cta), b * hkv), THREADS, args, shared_mem=fixed + rc * per_row)
+        launch("qk.cu", name, (n_qk, b * hkv), THREADS, args, shared_mem=fixed + rc * per_row)
+    return logits, wk, keys, partial_ml, n_qk
+
+
+def qk(
+    store: PlaneStore,
+    query: torch.Tensor,
+    scaling: float,
+    k_thresholds: tuple[float, float] = (4, 8),
+    blockwise: bool = False,
+    full: bool = False,
+    return_keys: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Scaled logits ``[b, hq, q_len, L]`` (fp32, ``mask`` applied as ``masked_logits``) from keys read at
+    the rule's widths.
+
+    Returns ``(logits, wk, keys)``: ``wk`` as ``key_widths`` (``[b, hkv, d]``) or, for AlignedKV+ with
+    block exponents, ``block_key_widths`` (``[b, hkv, blocks, d]``); ``None`` for the 16-bit control
+    (``full``). ``keys`` (``[b, hkv, L, d]`` fp16, only with ``return_keys``) is what was read.
+    """
+    logits, wk, keys, _, _ = _qk(store, query, scaling, k_thresholds, blockwise, full, return_keys, mask)
     return logits, wk, keys
 
 
 def softmax_scores(logits: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention probabilities (fp32) from logits, the mask applied as ``kvquant.methods.alignedkv._scores`` does."""
+    """Attention probabilities (fp32) from logits in torch, the mask applied as ``masked_logits`` does: the
+    reference's softmax (the kernels' own is ``softmax.cu``)."""
     if attention_mask is not None:
         mask = attention_mask[..., : logits.shape[-1]]
         logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
-def value_exponents(store: PlaneStore, scores: torch.Tensor, topk: int = 32) -> torch.Tensor:
-    """``e(O_est) + 15`` per (batch·KV head, channel) (int32), as inside ``reference_value_widths``.
-
-    ``scores``: ``[b, hq, q_len, L]`` attention probabilities.
-    """
+def _softmax_topk(
+    store: PlaneStore,
+    scores: torch.Tensor,
+    partial_ml: torch.Tensor | None,
+    n_qk: int,
+    topk: int,
+    normalize: bool,
+) -> torch.Tensor | None:
+    """One ``softmax_topk`` launch over ``scores`` ``[b, hq, q_len, L]`` fp32 (logits normalised in place when
+    ``normalize``); returns ``e(O_est) + 15`` ``[b·hkv, d]`` (int32), or None when ``topk`` is 0."""
     b, hq, q_len, n_tokens = scores.shape
-    hkv = store.tail_v.shape[1]
-    d = store.tail_v.shape[-1]
-    rows = (hq // hkv) * q_len
-    bh = b * hkv
-    s = kernel_arg(scores.float())
-    dev = s.device
-    n_strided = math.ceil(n_tokens / topk)
-    wanted_splits = max(1, math.ceil(sm_count(dev.index or 0) * 16 / (bh * rows)))
-    rows_per_split = max(16, math.ceil(n_strided / wanted_splits))
-    splits = math.ceil(n_strided / rows_per_split)
-    best_val = torch.empty(bh * rows, splits, topk, dtype=torch.float32, device=dev)
-    best_idx = torch.empty(bh * rows, splits, topk, dtype=torch.int32, device=dev)
-    threads = min(THREADS, 32 * math.ceil(topk / 32))
-    args = (ptr(s), ptr(best_val), ptr(best_idx), i32(n_tokens), i32(topk), i32(rows_per_split))
-    launch("sv.cu", "topk_partial", (splits, bh * rows), threads, args)
-    e_o = torch.empty(bh, d, dtype=torch.int32, device=dev)
-    n_full = store.n_full
+    hkv, d = store.tail_v.shape[1], store.tail_v.shape[-1]
+    rows, bh, dev = (hq // hkv) * q_len, b * hkv, scores.device
+    shared = softmax_shared_bytes(topk)
+    budget = shared_memory_budget(dev.index or 0)
+    if shared > budget:
+        raise InvalidParameterError(f"topk={topk} needs {shared} bytes of shared memory; the device allows {budget}")
+    span, n_splits = softmax_split(n_tokens, topk, bh * rows, sm_count(dev.index or 0))
+    e_o = best_val = best_idx = None
+    if topk > 0:
+        best_val = torch.empty(bh, rows, n_splits, topk, dtype=torch.float32, device=dev)
+        best_idx = torch.empty(bh, rows, n_splits, topk, dtype=torch.int32, device=dev)
+        e_o = torch.empty(bh, d, dtype=torch.int32, device=dev)
     v_a, tail_v = kernel_arg(store.v_a), kernel_arg(store.tail_v)
-    per_row = topk * 8
-    for row0, rc in row_chunks(rows, per_row, 0, shared_memory_budget(dev.index or 0), f"topk={topk}"):
-        args = (
-            ptr(best_val),
-            ptr(best_idx),
-            ptr(v_a),
-            ptr(tail_v),
-            ptr(e_o),
-            i32(rc),
-            i32(rows),
-            i32(row0),
-            i32(d),
-            i32(topk),
-            i32(splits),
-            i32(n_full),
-            i32(n_full),
-            i32(store.tail_v.shape[2]),
-        )
-        launch("sv.cu", "value_exponents", (bh,), THREADS, args, shared_mem=rc * per_row)
+    args = (
+        ptr(scores),
+        ptr(partial_ml),
+        ptr(best_val),
+        ptr(best_idx),
+        ptr(v_a),
+        ptr(tail_v),
+        ptr(e_o),
+        ptr(counters(dev, 2 * bh)),
+        i32(rows),
+        i32(n_tokens),
+        i32(d),
+        i32(topk),
+        i32(span),
+        i32(n_qk),
+        i32(store.n_full),
+        i32(store.tail_v.shape[2]),
+        i32(1 if normalize else 0),
+    )
+    launch("softmax.cu", "softmax_topk", (n_splits, rows, bh), THREADS, args, shared_mem=shared)
     return e_o
+
+
+def value_exponents(store: PlaneStore, scores: torch.Tensor, topk: int = 32) -> torch.Tensor:
+    """``e(O_est) + 15`` per (batch·KV head, channel) (int32), as ``kvquant.alignment.output_exponents``
+    (``O_est`` in ``pairwise_sum``'s order), from probabilities ``scores`` ``[b, hq, q_len, L]`` (not written)."""
+    return _softmax_topk(store, kernel_arg(scores.float()), None, 0, topk, normalize=False)
+
+
+def _sv(
+    store: PlaneStore,
+    scores: torch.Tensor,
+    e_o: torch.Tensor | None,
+    v_thresholds: tuple[float, float],
+    mode: str,
+    return_values: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One SV launch (``mode``: ``full``, ``token`` or ``block``): ``(out [b, hq, q_len, d] fp32, wv, values)``."""
+    b, hq, q_len, n_tokens = scores.shape
+    hkv, d = store.tail_v.shape[1], store.tail_v.shape[-1]
+    check_head_dim(d)
+    rows, bh, dev = (hq // hkv) * q_len, b * hkv, scores.device
+    n_full, n_tail = store.n_full, store.tail_v.shape[2]
+    if mode == "block" and (store.value_block % 32 or (n_full and store.v_exp is None)):
+        raise InvalidParameterError(
+            f"the block rule on CuPy reads whole warps of 32 tokens: value_block must be 32 or 64, "
+            f"got {store.value_block}"
+        )
+    cpt, seg = sv_lanes(d)
+    rc = sv_rows(rows)
+    per_cta, n_chunks = sv_split(n_tokens, bh, sm_count(dev.index or 0))
+    partial = torch.empty(bh, n_chunks, rows, d, dtype=torch.float32, device=dev)
+    out = torch.empty(b, hq, q_len, d, dtype=torch.float32, device=dev)
+    wv = None if mode == "full" else torch.empty(b, hkv, n_full, dtype=torch.int32, device=dev)
+    values = torch.empty(b, hkv, n_tokens, d, dtype=torch.float16, device=dev) if return_values else None
+    t12, t8 = tiers(v_thresholds)
+    v_a, v_b, v_c, tail_v = (kernel_arg(x) for x in (store.v_a, store.v_b, store.v_c, store.tail_v))
+    v_exp = kernel_arg(store.v_exp) if mode == "block" else None
+    args = (
+        ptr(scores),
+        ptr(v_a),
+        ptr(v_b),
+        ptr(v_c),
+        ptr(tail_v),
+        ptr(v_exp),
+        ptr(None if mode == "full" else e_o),
+        ptr(partial),
+        ptr(out),
+        ptr(counters(dev, 2 * bh)[bh:]),
+        ptr(wv),
+        ptr(values),
+        i32(rows),
+        i32(d),
+        i32(seg),
+        i32(n_full),
+        i32(n_tail),
+        i32(per_cta),
+        i32(store.value_block if mode == "block" else 0),
+        i32(t12),
+        i32(t8),
+    )
+    launch("sv.cu", f"sv_{mode}_r{rc}_c{cpt}", (n_chunks, bh), THREADS, args, shared_mem=sv_shared_bytes(d, rc))
+    return out, wv, values
 
 
 def sv(
@@ -285,61 +498,17 @@ def sv(
     v_thresholds: tuple[float, float] = (4, 8),
     full: bool = False,
     return_values: bool = False,
+    value_rule: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``scores @ V`` ``[b, hq, q_len, d]`` (fp32) with values read at the rule's widths.
 
-    Returns ``(out, wv, values)``: ``wv`` ``[b, hkv, n_full]`` as ``reference_value_widths`` over the plane
-    tokens (``None`` for the 16-bit control); ``values`` (``[b, hkv, L, d]`` fp16, only with
-    ``return_values``) is what was read. ``e_o`` comes from ``value_exponents`` (unused if ``full``).
+    Returns ``(out, wv, values)``: ``wv`` ``[b, hkv, n_full]`` as ``value_widths`` (``value_rule`` token) or
+    ``block_value_widths`` (block, per ``store.value_block`` tokens) over the plane tokens (``None`` for the
+    16-bit control); ``values`` (``[b, hkv, L, d]`` fp16, only with ``return_values``) is what was read.
+    ``e_o`` comes from ``value_exponents`` (unused if ``full``).
     """
-    b, hq, q_len, n_tokens = scores.shape
-    hkv, d = store.tail_v.shape[1], store.tail_v.shape[-1]
-    check_head_dim(d)
-    rows = (hq // hkv) * q_len
-    bh = b * hkv
     s = kernel_arg(scores.float())
-    dev = s.device
-    n_full, n_tail = store.n_full, store.tail_v.shape[2]
-    cpt = 4 if d <= 128 else 8
-    seg = 1 << (d // cpt - 1).bit_length()
-    step = (THREADS // seg) * TOKENS_PER_STEP
-    wanted_chunks = max(1, math.ceil(sm_count(dev.index or 0) * 4 / bh))
-    per_cta = max(step, math.ceil(math.ceil(n_tokens / wanted_chunks) / step) * step)
-    n_chunks = math.ceil(n_tokens / per_cta)
-    partial = torch.empty(bh, n_chunks, rows, d, dtype=torch.float32, device=dev)
-    wv = None if full else torch.empty(b, hkv, n_full, dtype=torch.int32, device=dev)
-    values = torch.empty(b, hkv, n_tokens, d, dtype=torch.float16, device=dev) if return_values else None
-    t12, t8 = tiers(v_thresholds)
-    row_chunk = 8 if d <= 128 else 4
-    v_a, v_b, v_c, tail_v = (kernel_arg(x) for x in (store.v_a, store.v_b, store.v_c, store.tail_v))
-    for row0 in range(0, rows, row_chunk):
-        rc = min(row_chunk, rows - row0)
-        name = f"sv_{'full' if full else 'aligned'}_r{rc}_c{cpt}"
-        first = row0 == 0
-        args = (
-            ptr(s),
-            ptr(v_a),
-            ptr(v_b),
-            ptr(v_c),
-            ptr(tail_v),
-            ptr(None if full else e_o),
-            ptr(partial),
-            ptr(wv if first else None),
-            ptr(values if first else None),
-            i32(rows),
-            i32(row0),
-            i32(d),
-            i32(seg),
-            i32(n_full),
-            i32(n_full),
-            i32(n_tail),
-            i32(per_cta),
-            i32(t12),
-            i32(t8),
-        )
-        shared = d * 4 + (THREADS // 32) * rc * d * 4
-        launch("sv.cu", name, (n_chunks, bh), THREADS, args, shared_mem=shared)
-    return partial.sum(dim=1).view(b, hq, q_len, d), wv, values
+    return _sv(store, s, e_o, v_thresholds, "full" if full else value_rule, return_values)
 
 
 def aligned_attention(
@@ -352,17 +521,23 @@ def aligned_attention(
     topk: int = 32,
     blockwise: bool = False,
     full: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One AlignedKV attention step on the GPU: ``(out [b, hq, q_len, d] fp32, wk, wv)``.
+    value_rule: str = "token",
+    return_scores: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """One AlignedKV attention step on the GPU: ``(out [b, hq, q_len, d] fp32, wk, wv)`` (and the fp32
+    probabilities the rule and SV used, ``[b, hq, q_len, L]``, with ``return_scores``).
 
-    The chain of ``kvquant.formats.planes.aligned_read`` + attention: K widths, QKᵀ over what they read,
-    fp32 softmax, V widths from plane A and the scores, SV. ``blockwise`` is AlignedKV+ (used when
-    the store has block exponents); ``full`` is the 16-bit control (same kernels, every plane, no
-    rule; ``wk``/``wv`` are ``None``).
+    The chain of ``kvquant.formats.planes.aligned_read`` + attention in three kernels (one more QK launch
+    per extra row chunk of a long prefill chunk), nothing in torch between them: QK at the key widths with
+    the mask and per-CTA softmax statistics; the softmax merged by log-sum-exp, the strided top-k and
+    ``e(O_est)``; the value widths (``value_rule`` token: per token; block: per ``store.value_block`` tokens)
+    and SV split over CTAs, merged by the last. ``blockwise`` is AlignedKV+ (used when the store has block
+    exponents); ``full`` is the 16-bit control (same kernels, every plane, no rule; ``wk``/``wv`` None).
     """
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    logits, wk, _ = qk(store, query, scaling, k_thresholds, blockwise, full)
-    scores = softmax_scores(logits, attention_mask)
-    e_o = None if full else value_exponents(store, scores, topk)
-    out, wv, _ = sv(store, scores, e_o, v_thresholds, full)
-    return out, wk, wv
+    if value_rule not in ("token", "block"):
+        raise InvalidParameterError(f"value_rule must be token or block, got {value_rule!r}")
+    logits, wk, _, partial_ml, n_qk = _qk(store, query, scaling, k_thresholds, blockwise, full, False, attention_mask)
+    e_o = _softmax_topk(store, logits, partial_ml, n_qk, 0 if full else topk, normalize=True)
+    out, wv, _ = _sv(store, logits, e_o, v_thresholds, "full" if full else value_rule, False)
+    return (out, wk, wv, logits) if return_scores else (out, wk, wv)

@@ -1,5 +1,7 @@
-// Append: fp16 K/V tokens -> plane layout, with the per-channel max |K| and per-block exponent
-// fields written in the same pass (kvquant.alignment.PlaneStore.append/_store_blocks).
+// Append: fp16 K/V tokens -> plane layout, with the per-channel max |K|, AlignedKV+'s per-block key
+// exponent fields and the block rule's value exponent fields (per value_block tokens and channel, the
+// largest exponent field of plane A) written in the same pass (kvquant.formats.planes.PlaneStore
+// .append/_store_blocks).
 //
 // Grid (ceil(T / 64), B*H), NUM_THREADS threads, dynamic shared memory 64 * (D + 2) * 2 bytes.
 // Tile x covers tokens [64x, 64x + 64) of the chunk. Every token updates k_absmax; tokens below
@@ -34,8 +36,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pack_kv(
     unsigned char* __restrict__ v_b,        // [BH, cap_blk * 64, D / 2]
     unsigned char* __restrict__ v_c,        // [BH, cap_blk * 64, D / 2]
     unsigned char* __restrict__ k_exp,      // [BH, cap_blk, D], or null
+    unsigned char* __restrict__ v_exp,      // [BH, cap_blk * 64 / value_block, D], or null
     unsigned short* __restrict__ k_absmax,  // [BH, D] fp16 bits, updated in place
-    int cap_blk, int blk0,
+    int cap_blk, int blk0, int value_block,
     int* __restrict__ flags)                // [2]: a high byte reads as +-0 in K, in V
 {
     extern __shared__ unsigned short tile[];  // [D][TILE_STRIDE]
@@ -86,6 +89,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pack_kv(
             v_b[row * half + pair] = (unsigned char)(((lo >> 4) & 0xFu) | (hi & 0xF0u));
             v_c[row * half + pair] = (unsigned char)((lo & 0xFu) | ((hi & 0xFu) << 4));
             tiny_v = tiny_v || (lo & 0x7F00u) == 0u || (hi & 0x7F00u) == 0u;
+        }
+        if (v_exp != nullptr) {  // one byte per (value block, channel): the largest (bits >> 10) & 31
+            const int per_tile = 64 / value_block;
+            for (int i = threadIdx.x; i < per_tile * D; i += blockDim.x) {
+                const int sub = i / D, c = i - sub * D;
+                unsigned int field = 0u;
+                for (int tok = sub * value_block; tok < (sub + 1) * value_block; ++tok)
+                    field = max(field, ((unsigned int)v_tile[tok * D + c] >> 10) & 0x1Fu);
+                v_exp[(((long long)bh * cap_blk + blk0 + blockIdx.x) * per_tile + sub) * D + c] = (unsigned char)field;
+            }
         }
     }
     if (tiny_k) atomicOr(flags, 1);

@@ -12,6 +12,7 @@
 #define NO_CONTRIBUTION (1 << 20)
 #define EO_CLAMP 16384
 #define NUM_THREADS 256
+#define NEG_INF (__int_as_float(0xff800000))
 
 // fp16 bits -> fp32, exact (PTX cvt; no cuda_fp16.h needed).
 __device__ __forceinline__ float half_bits_to_float(unsigned short h) {
@@ -79,4 +80,85 @@ __device__ __forceinline__ int block_max_int(int value, int* scratch) {
     int result = scratch[0];
     for (int w = 1; w < (int)(blockDim.x >> 5); ++w) result = scratch[w] > result ? scratch[w] : result;
     return result;
+}
+
+// O_est's fixed summation order (kvquant.alignment.pairwise_sum): adjacent pairs, zero-padded to a power
+// of two, streamed with one pending partial per tree level (a binary counter: adding the n-th addend
+// merges the levels whose bits carry). Levels are indexed by unrolled constants so they stay in
+// registers; PAIRWISE_LEVELS levels take up to 2^PAIRWISE_LEVELS - 1 addends.
+#define PAIRWISE_LEVELS 16
+struct PairwiseSum {
+    float level[PAIRWISE_LEVELS];
+    unsigned int count;
+    __device__ void init() {
+        count = 0u;
+#pragma unroll
+        for (int j = 0; j < PAIRWISE_LEVELS; ++j) level[j] = 0.0f;
+    }
+    __device__ void add(float x) {
+        float carry = x;
+        bool pending = true;  // no break: a loop of constant indices keeps level[] in registers
+#pragma unroll
+        for (int j = 0; j < PAIRWISE_LEVELS; ++j) {
+            if (pending) {
+                if ((count >> j) & 1u) {
+                    carry = add_exact_rn(level[j], carry);  // left subtree + right subtree
+                } else {
+                    level[j] = carry;
+                    pending = false;
+                }
+            }
+        }
+        ++count;
+    }
+    // The pending partials, lowest level first: the zero padding leaves each one the right
+    // operand of the next higher one.
+    __device__ float result() const {
+        float out = 0.0f;
+        bool any = false;
+#pragma unroll
+        for (int j = 0; j < PAIRWISE_LEVELS; ++j) {
+            if ((count >> j) & 1u) {
+                out = any ? add_exact_rn(level[j], out) : level[j];
+                any = true;
+            }
+        }
+        return out;
+    }
+};
+
+// Loads that bypass L1 (ld.global.cg): the last CTA of a grid reads what other CTAs wrote.
+__device__ __forceinline__ float load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int load_cg(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// Whether this CTA is the last of `expected` CTAs sharing counter[0] to finish (every thread gets the
+// answer). Its writes before the call are visible to that last CTA; the last CTA resets the counter to
+// zero for the next launch (or graph replay) once it has read what it needs, via release_ticket.
+__device__ __forceinline__ bool last_to_finish(unsigned int* counter, unsigned int expected, int* flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == expected - 1u;
+    __syncthreads();
+    const bool last = *flag != 0;
+    if (last) __threadfence();
+    return last;
+}
+
+__device__ __forceinline__ int warp_max_int(int v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    return v;
+}
+
+__device__ __forceinline__ int warp_min_int(int v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    return v;
 }

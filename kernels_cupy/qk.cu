@@ -10,6 +10,12 @@
 // A launch takes the R rows row0 .. row0+R-1 of R_total. The widths need max|q| over all R_total
 // rows: a launch holding only some of them (a chunk too large for shared memory, split by ops.py)
 // gets it precomputed in q_max_bits; with q_max_bits null it is taken from the R rows it holds.
+//
+// The attention mask is applied to the logits written (mask_kind 1: bytes, 0 = masked -> -inf; 2: fp32
+// added), at mask[b, head, pos, j] through the element strides of its broadcast view; row rr of a KV
+// head is query head kvh * G + rr / q_len at position rr % q_len. Each CTA then writes, per row, the
+// (max, sum exp(x - max)) of the logits of its tokens to partial_ml: the split softmax statistics that
+// softmax.cu merges by log-sum-exp (ops.merge_softmax_partials is the same arithmetic in torch).
 #include "planes.cuh"
 
 #define TILE_STRIDE 66
@@ -27,6 +33,9 @@ __device__ __forceinline__ void qk_impl(
     float* __restrict__ logits,                 // [BH, R_total, L]
     int* __restrict__ wk,                       // [BH, D] or [BH, nblk, D]; null: not written
     unsigned short* __restrict__ keys_out,      // [BH, L, D] fp16 bits of what was read; null: not written
+    float* __restrict__ partial_ml,             // [BH, R_total, gridDim.x, 2]: (max, sum exp) per CTA; or null
+    const void* __restrict__ mask,              // null, bytes (kind 1) or fp32 (kind 2)
+    int mask_kind, long long msb, long long msh, long long msq, long long msn, int G, int q_len, int hkv,
     int R, int R_total, int row0, int D, int nblk, int cap_blk, int n_tail, int units_per_cta, float scaling,
     int t12, int t8)
 {
@@ -130,10 +139,39 @@ __device__ __forceinline__ void qk_impl(
                 for (int c = part; c < D; c += 4) acc += qr[c] * half_bits_to_float(tile[c * TILE_STRIDE + tok]);
             acc += __shfl_xor_sync(0xFFFFFFFFu, acc, 1);
             acc += __shfl_xor_sync(0xFFFFFFFFu, acc, 2);
-            if (part == 0 && tok < n_tok)
-                logits[((long long)bh * R_total + row0 + r) * L + unit * 64 + tok] = acc * scaling;
+            if (part == 0 && tok < n_tok) {
+                const int j = unit * 64 + tok;
+                float x = acc * scaling;
+                if (mask_kind != 0) {
+                    const int rr = row0 + r, head = (bh % hkv) * G + rr / q_len;
+                    const long long at = (long long)(bh / hkv) * msb + head * msh + (rr % q_len) * msq + j * msn;
+                    if (mask_kind == 1)
+                        x = ((const unsigned char*)mask)[at] != 0 ? x : NEG_INF;
+                    else
+                        x += ((const float*)mask)[at];
+                }
+                logits[((long long)bh * R_total + row0 + r) * L + j] = x;
+            }
         }
         __syncthreads();
+    }
+    if (partial_ml == nullptr) return;
+    // One warp per row over this CTA's tokens (written above by this block: visible after the barrier).
+    const int lane = threadIdx.x & 31, t_begin = first * 64, t_end = min(L, last * 64);
+    for (int r = threadIdx.x >> 5; r < R; r += blockDim.x >> 5) {
+        const float* x = logits + ((long long)bh * R_total + row0 + r) * L;
+        float m = NEG_INF;
+        for (int j = t_begin + lane; j < t_end; j += 32) m = fmaxf(m, x[j]);
+        for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
+        float l = 0.0f;
+        if (m != NEG_INF)
+            for (int j = t_begin + lane; j < t_end; j += 32) l += expf(x[j] - m);
+        for (int offset = 16; offset > 0; offset >>= 1) l += __shfl_xor_sync(0xFFFFFFFFu, l, offset);
+        if (lane == 0) {
+            float* at = partial_ml + (((long long)bh * R_total + row0 + r) * gridDim.x + blockIdx.x) * 2;
+            at[0] = m;
+            at[1] = l;
+        }
     }
 }
 
@@ -141,11 +179,13 @@ __device__ __forceinline__ void qk_impl(
     extern "C" __global__ void __launch_bounds__(NUM_THREADS) NAME(                                               \
         const float* q, const unsigned int* q_max_bits, const unsigned char* k_a, const unsigned char* k_b,       \
         const unsigned char* k_c, const unsigned short* tail_k, const unsigned short* k_absmax,                   \
-        const unsigned char* k_exp, float* logits, int* wk, unsigned short* keys_out, int R, int R_total,         \
-        int row0, int D, int nblk, int cap_blk, int n_tail, int units_per_cta, float scaling, int t12,            \
-        int t8) {                                                                                                 \
+        const unsigned char* k_exp, float* logits, int* wk, unsigned short* keys_out, float* partial_ml,          \
+        const void* mask, int mask_kind, long long msb, long long msh, long long msq, long long msn, int G,       \
+        int q_len, int hkv, int R, int R_total, int row0, int D, int nblk, int cap_blk, int n_tail,               \
+        int units_per_cta, float scaling, int t12, int t8) {                                                      \
         qk_impl<FULL, BLOCKWISE>(q, q_max_bits, k_a, k_b, k_c, tail_k, k_absmax, k_exp, logits, wk, keys_out,     \
-                                 R, R_total, row0, D, nblk, cap_blk, n_tail, units_per_cta, scaling, t12, t8);    \
+                                 partial_ml, mask, mask_kind, msb, msh, msq, msn, G, q_len, hkv, R, R_total,      \
+                                 row0, D, nblk, cap_blk, n_tail, units_per_cta, scaling, t12, t8);                \
     }
 
 QK_ENTRY(qk_aligned, false, false)

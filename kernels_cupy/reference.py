@@ -51,6 +51,18 @@ def reference_value_widths(
     return widths_from_gap(gap, thresholds)
 
 
+def reference_block_widths(
+    scores: torch.Tensor, store: PlaneStore, thresholds: tuple[float, float], topk: int = 32
+) -> torch.Tensor:
+    """``kvquant.alignment.block_value_widths`` on these ``scores`` (the block rule per ``store.value_block``
+    tokens, from ``store.v_exp``): what ``decide_widths`` gives with ``value_rule`` block, on any scores."""
+    from kvquant.alignment import block_value_widths
+
+    if store.v_exp is None:
+        return torch.empty(*store.tail_v.shape[:2], 0, dtype=torch.int32, device=scores.device)
+    return block_value_widths(scores.float(), store.v_exp, store.high_bytes_at, thresholds, topk, store.value_block)
+
+
 def reference_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """Scaled ``QKᵀ`` (fp32) ``[b, hq, q_len, L]`` of ``query`` over ``keys`` ``[b, hkv, L, d]``, GQA by reshaping."""
     b, hq, q_len, d = query.shape
@@ -68,8 +80,10 @@ def reference_attention(
     v_thresholds: tuple[float, float] = (4, 8),
     topk: int = 32,
     blockwise: bool = False,
+    value_rule: str = "token",
 ) -> dict[str, torch.Tensor]:
-    """``{"out" (fp64), "wk", "wv", "keys", "values", "logits", "scores"}`` of one step, as the method has them."""
+    """``{"out" (fp64), "wk", "wv", "keys", "values", "logits", "scores"}`` of one step, as the method has them
+    (``value_rule`` block: ``reference_block_widths``)."""
     from kvquant.alignment import block_key_widths, key_widths
 
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -80,7 +94,10 @@ def reference_attention(
     keys = store.read_keys(wk, query.dtype)
     logits = reference_logits(query, keys, scaling)
     scores = softmax_scores(logits, attention_mask)
-    wv = reference_value_widths(scores, store.value_high_bytes(), v_thresholds, topk)[:, :, : store.n_full]
+    if value_rule == "block":
+        wv = reference_block_widths(scores, store, v_thresholds, topk)
+    else:
+        wv = reference_value_widths(scores, store.value_high_bytes(), v_thresholds, topk)[:, :, : store.n_full]
     values = store.read_values(wv, query.dtype)
     b, hq, q_len, _ = query.shape
     hkv, n, d = values.shape[1], values.shape[2], values.shape[3]

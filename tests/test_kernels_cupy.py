@@ -15,7 +15,17 @@ import torch
 
 from kernels_cupy import SOURCES, cupy_status
 from kernels_cupy.loader import HEADER, SOURCE_DIR, source_text
-from kernels_cupy.ops import qk_shared_bytes, row_chunks, tiers
+from kernels_cupy.ops import (
+    qk_shared_bytes,
+    qk_split,
+    row_chunks,
+    softmax_split,
+    split_softmax,
+    step_launches,
+    sv_lanes,
+    sv_split,
+    tiers,
+)
 
 GPU_OK, GPU_WHY = cupy_status()
 
@@ -242,6 +252,157 @@ def test_bench_counts_bytes_read():
     assert total == 2 * b * h * 3 * 64 * d + 2 * 2 * b * h * 5 * d + meta + store.k_exp.numel()
 
 
+SM90, SM80 = 232448, 166912
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_no_kernel_spills_registers_on_sm90(source, tmp_path):
+    """``ptxas -v`` for sm_90 (what the H200 runs): no kernel spills to local memory."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    cmd = [nvcc, "-cubin", "-arch=sm_90", "-ftz=true", "-Xptxas", "-v", f"-I{SOURCE_DIR}"]
+    done = subprocess.run([*cmd, str(SOURCE_DIR / source), "-o", str(tmp_path / "out.cubin")], capture_output=True)
+    log = (done.stdout + done.stderr).decode(errors="replace")
+    assert done.returncode == 0, log
+    spills = [line for line in log.splitlines() if "spill" in line]
+    assert spills and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 100, 4129, 32768])
+@pytest.mark.parametrize("span", [64, 1024, 4096])
+def test_split_softmax_equals_one_pass_softmax(n, span):
+    """The split statistics merged by log-sum-exp (QK's per-CTA ``(m, l)``, ``softmax.cu``'s merge) give the
+    one-pass softmax within fp32 rounding, with bool masks, additive masks and fully masked rows (0, as
+    the reference's ``nan_to_num``)."""
+    from kernels_cupy.ops import merge_softmax_partials, softmax_scores
+
+    gen = torch.Generator().manual_seed(n + span)
+    logits = torch.randn(3, 2, 2, n, generator=gen) * 4
+    keep = torch.rand(3, 1, 2, n, generator=gen) > 0.3
+    keep[0, :, 1] = False  # a fully masked row
+    keep[1, :, 0, : min(n, span)] = False  # a whole split masked
+    additive = torch.where(torch.rand(3, 1, 2, n, generator=gen) > 0.5, 0.0, -1e4)
+    for mask in (None, keep, additive):
+        want = softmax_scores(logits, mask).double()
+        if mask is None:
+            masked = logits
+        else:
+            masked = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+        got = split_softmax(masked, span).double()
+        tol = (n + 8) * U32 * want + 1e-45
+        assert bool(((got - want).abs() <= tol).all()), float((got - want).abs().max())
+        assert bool((got[want == 0] == 0).all())
+    parts = torch.tensor([[float("-inf"), 0.0], [1.5, 2.0], [0.5, 3.0], [float("-inf"), 0.0]])
+    m, total = merge_softmax_partials(parts)
+    assert float(m) == 1.5 and math.isclose(float(total), 2.0 + 3.0 * math.exp(-1.0), rel_tol=1e-6)
+    m, total = merge_softmax_partials(torch.full((3, 2), float("-inf")).index_fill(1, torch.tensor([1]), 0.0))
+    assert float(m) == float("-inf") and float(total) == 0.0
+
+
+@pytest.mark.parametrize("sms", [132, 108])
+@pytest.mark.parametrize("bh", [1, 8, 32, 256])
+@pytest.mark.parametrize("n", [20, 64, 300, 4096, 4129, 131072])
+def test_split_arithmetic_covers_every_token_once(n, bh, sms):
+    """QK, softmax and SV splits: every token in exactly one CTA, no empty CTA; softmax spans are whole
+    strided rows of top-k; SV spans are whole 64-token blocks holding at least one 32-token group per warp."""
+    n_units = math.ceil(n / 64)
+    per_cta, n_qk = qk_split(n_units, bh, sms)
+    assert (n_qk - 1) * per_cta < n_units <= n_qk * per_cta
+    for topk in (0, 7, 32, 300):
+        span, n_splits = softmax_split(n, topk, bh, sms)
+        assert (n_splits - 1) * span < n <= n_splits * span
+        assert span % (topk or 64) == 0 and span // (topk or 64) >= 16
+    per_cta, n_chunks = sv_split(n, bh, sms)
+    assert (n_chunks - 1) * per_cta < n <= n_chunks * per_cta
+    assert per_cta % 64 == 0 and per_cta >= 256
+    for value_block in (32, 64):  # warp groups start every 32 tokens from a chunk's start: one block each
+        starts = [c * per_cta + g for c in range(n_chunks) for g in range(0, per_cta, 32)]
+        assert all(start // value_block == (start + 31) // value_block for start in starts)
+
+
+@pytest.mark.parametrize("d", [8, 16, 24, 64, 96, 128, 256])
+def test_sv_lanes_cover_the_row_with_aligned_loads(d):
+    """Each active lane holds CPT whole channels (16 where d allows: a 16-byte plane-A load), lanes of a row
+    are a power of two within a warp, and every load is aligned to its width."""
+    cpt, seg = sv_lanes(d)
+    assert d % cpt == 0 and seg & (seg - 1) == 0 and seg <= 32 and seg * cpt >= d > (seg // 2) * cpt
+    assert cpt == (16 if d % 16 == 0 else 8)
+    for lane in range(seg):
+        c0 = lane * cpt
+        if c0 < d:
+            assert (d * 7 + c0) % cpt == 0 and (d // 2 * 7 + c0 // 2) % (cpt // 2) == 0  # A, B/C rows
+            assert (2 * (d * 7 + c0)) % 16 == 0  # tail fp16: 16-byte loads
+
+
+def test_a_decode_step_is_at_most_four_launches():
+    """Decode (GQA groups up to 8 query heads a KV head) is three launches on sm_80 and sm_90; the issue's
+    prefill chunk (512 rows at d=128) adds one QK row chunk."""
+    for budget in (SM80, SM90):
+        for rows in (1, 4, 8):
+            for d in (64, 128, 256):
+                assert step_launches(rows, d, budget) == 3
+        assert step_launches(512, 128, SM90) == 4
+
+
+def test_limits_take_the_block_rule_at_warp_sized_blocks():
+    from kernels_cupy.backend import limits
+    from kvquant.formats.planes import AlignedRule
+
+    class Geometry:
+        softcap = None
+        sliding_window = None
+
+    assert limits("planes", Geometry, AlignedRule()) == []
+    for v_block in (32, 64):
+        assert limits("planes", Geometry, AlignedRule(v_block=v_block, value_rule="block")) == []
+    assert limits("planes", Geometry, AlignedRule(v_block=16, value_rule="block")) == [
+        "the block rule at v_block=16 (v_block a multiple of 32 here: 32 or 64)"
+    ]
+    assert limits("planes", Geometry, AlignedRule(v_block=2)) == ["value widths per block (v_block=2)"]
+
+
+def kernel_block_widths(scores, v_exp, e_o, value_block, thresholds):
+    """``sv.cu``'s ``block_width`` in integer torch: ``min_c(e_o − v_exp)`` less ``floor_log2_bits`` of the
+    largest score bits of the block over all rows; no contribution reads 8 (``NO_CONTRIBUTION``)."""
+    b, hkv, n_blocks, d = v_exp.shape
+    n_full = n_blocks * value_block
+    s = scores.float().reshape(b, hkv, -1, scores.shape[-1])[..., :n_full].contiguous()
+    s_max = s.view(torch.int32).amax(dim=2).unflatten(-1, (n_blocks, value_block)).amax(-1).long()
+    field = s_max >> 23
+    subnormal = -118 - (31 - torch.floor(torch.log2(s_max.clamp_min(1).double())).long())
+    e_s = torch.where(field == 0, subnormal, field - 127)
+    gap_c = (e_o.view(b, hkv, 1, d).long() - v_exp.long()).amin(-1)
+    gap = torch.where(s_max == 0, 1 << 20, gap_c - e_s)
+    t12, t8 = tiers(thresholds)
+    widths = torch.where(gap >= t8, 8, torch.where(gap >= t12, 12, 16)).to(torch.int32)
+    return widths.repeat_interleave(value_block, dim=-1)
+
+
+@pytest.mark.parametrize("value_block", [32, 64])
+@pytest.mark.parametrize("thresholds", THRESHOLDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_block_width_arithmetic_is_the_block_rule(shape, thresholds, value_block):
+    """The block rule as ``sv.cu`` computes it (integer exponents, score bits, integer tiers) equals
+    ``kvquant.alignment.block_value_widths`` on the same fp32 scores, with subnormal and zero scores."""
+    from kernels_cupy.reference import reference_block_widths
+    from kvquant.alignment import grouped_scores, output_exponents
+
+    b, hq, hkv, d, n = shape
+    k, v, q = random_kv(b, hq, hkv, d, n, seed=21)
+    store = cpu_store(k, v, False, chunks_for(n), value_block)
+    scores = torch.softmax(torch.randn(b, hq, 1, n, generator=torch.Generator().manual_seed(n)) * 6, dim=-1)
+    scores[..., ::7] *= 1e-40  # fp32 subnormals
+    scores[..., : min(n, 64)] = 0.0  # a block no query attends to
+    want = reference_block_widths(scores, store, thresholds)
+    if store.v_exp is None:
+        assert want.shape[-1] == 0
+        return
+    e_o = output_exponents(grouped_scores(scores, hkv), store.high_bytes_at, 32)
+    got = kernel_block_widths(scores, store.v_exp, e_o, value_block, thresholds)
+    assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- data and helpers
 
 
@@ -261,10 +422,10 @@ def random_kv(b, hq, hkv, d, n, seed=0, dtype=torch.float16, q_len=1):
     return k.to(dtype), v.to(dtype), q.to(dtype)
 
 
-def cpu_store(k, v, block_exponents, chunks):
+def cpu_store(k, v, block_exponents, chunks, value_block=0):
     from kvquant.formats.planes import PlaneStore
 
-    store = PlaneStore(block_exponents=block_exponents)
+    store = PlaneStore(block_exponents=block_exponents, value_block=value_block)
     for start, stop in chunks:
         store.append(k[:, :, start:stop], v[:, :, start:stop])
     return store
@@ -316,9 +477,10 @@ def output_bound(scores, values, logit_err, q_len):
 
 
 @gpu_test
+@pytest.mark.parametrize("value_block", [0, 32, 64])
 @pytest.mark.parametrize("block_exponents", [False, True])
 @pytest.mark.parametrize("shape", SHAPES[:7])
-def test_append_writes_the_plane_store_layout(shape, block_exponents):
+def test_append_writes_the_plane_store_layout(shape, block_exponents, value_block):
     from kernels_cupy.store import KernelPlaneStore
     from kvquant.formats.planes import PlaneStore
 
@@ -326,8 +488,8 @@ def test_append_writes_the_plane_store_layout(shape, block_exponents):
     k, v, _ = random_kv(b, hq, hkv, d, n, seed=1)
     head = min(n, 100)
     chunks = [(0, head)] + [(i, min(n, i + 37)) for i in range(head, n, 37)]
-    want = cpu_store(k, v, block_exponents, chunks)
-    got = KernelPlaneStore(block_exponents=block_exponents)  # its append is the pack kernel
+    want = cpu_store(k, v, block_exponents, chunks, value_block)
+    got = KernelPlaneStore(block_exponents=block_exponents, value_block=value_block)  # append: the pack kernel
     for start, stop in chunks:
         got.append(k[:, :, start:stop].cuda(), v[:, :, start:stop].cuda())
     for f in dataclasses.fields(PlaneStore):
@@ -359,20 +521,23 @@ def test_qk_reads_and_widths_match_reference(shape, thresholds, blockwise):
 
 @gpu_test
 @pytest.mark.parametrize("thresholds", THRESHOLDS)
-@pytest.mark.parametrize("topk", [32, 7])
+@pytest.mark.parametrize(("topk", "rule"), [(32, "token"), (7, "token"), (32, "block32"), (7, "block64")])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_value_widths_and_sv_match_reference(shape, topk, thresholds):
-    """Given the reference's scores, V widths and reads are identical and SV is within fp32 rounding."""
+def test_value_widths_and_sv_match_reference(shape, topk, rule, thresholds):
+    """Given the reference's (fp32) scores, V widths (the paper's rule, or the block rule:
+    ``block_value_widths``) and reads are identical and SV is within fp32 rounding."""
     from kernels_cupy.ops import sv, value_exponents
     from kernels_cupy.reference import reference_attention
 
     b, hq, hkv, d, n = shape
+    value_rule, value_block = ("token", 0) if rule == "token" else ("block", int(rule[5:]))
     k, v, q = random_kv(b, hq, hkv, d, n, seed=4)
-    store = cpu_store(k, v, False, chunks_for(n))
-    ref = reference_attention(store, q, None, d**-0.5, (4, 8), thresholds, topk)
+    store = cpu_store(k, v, False, chunks_for(n), value_block)
+    ref = reference_attention(store, q, None, d**-0.5, (4, 8), thresholds, topk, value_rule=value_rule)
     gpu_store = to_device(store, "cuda")
     scores = ref["scores"].cuda()
-    out, wv, values = sv(gpu_store, scores, value_exponents(gpu_store, scores, topk), thresholds, return_values=True)
+    e_o = value_exponents(gpu_store, scores, topk)
+    out, wv, values = sv(gpu_store, scores, e_o, thresholds, return_values=True, value_rule=value_rule)
     assert torch.equal(wv.cpu(), ref["wv"])
     assert torch.equal(values.cpu().view(torch.int16), ref["values"].view(torch.int16))
     bound = output_bound(ref["scores"], ref["values"], torch.zeros(1), 1)
@@ -380,29 +545,39 @@ def test_value_widths_and_sv_match_reference(shape, topk, thresholds):
 
 
 @gpu_test
+@pytest.mark.parametrize("value_rule", ["token", "block"])
 @pytest.mark.parametrize("blockwise", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_aligned_attention_end_to_end(shape, blockwise):
-    """The whole step: K widths identical; V widths identical to the rule applied to the kernel's own
-    scores (scores differ from the reference's by fp32 rounding); output within fp32 rounding."""
-    from kernels_cupy.ops import aligned_attention, qk, softmax_scores
-    from kernels_cupy.reference import reference_attention, reference_value_widths
+def test_aligned_attention_end_to_end(shape, blockwise, value_rule):
+    """The whole step (three launches): K widths identical; the kernel's own fp32 scores within fp32
+    rounding of the reference's; V widths identical to the rule (the paper's, or the block rule per 32
+    tokens) applied to those scores; output within fp32 rounding."""
+    from kernels_cupy.ops import aligned_attention
+    from kernels_cupy.reference import reference_attention, reference_block_widths, reference_value_widths
 
     b, hq, hkv, d, n = shape
     k, v, q = random_kv(b, hq, hkv, d, n, seed=5)
-    store = cpu_store(k, v, blockwise, chunks_for(n))
+    store = cpu_store(k, v, blockwise, chunks_for(n), 32 if value_rule == "block" else 0)
     gpu_store, scaling = to_device(store, "cuda"), d**-0.5
-    ref = reference_attention(store, q, None, scaling, (4, 8), (4, 8), 32, blockwise)
-    out, wk, wv = aligned_attention(gpu_store, q.cuda(), None, scaling, (4, 8), (4, 8), 32, blockwise)
+    ref = reference_attention(store, q, None, scaling, (4, 8), (4, 8), 32, blockwise, value_rule)
+    out, wk, wv, own_scores = aligned_attention(
+        gpu_store, q.cuda(), None, scaling, (4, 8), (4, 8), 32, blockwise, value_rule=value_rule, return_scores=True
+    )
     assert torch.equal(wk.cpu(), ref["wk"])
-    own_scores = softmax_scores(qk(gpu_store, q.cuda(), scaling, (4, 8), blockwise)[0]).cpu()
-    own_wv = reference_value_widths(own_scores, store.value_high_bytes(), (4, 8), 32)[:, :, : store.n_full]
+    own_scores = own_scores.cpu()
+    err = logit_bound(q, ref["keys"], scaling)
+    score_bound = (2 * err.amax(dim=-1, keepdim=True) + (n + 8) * U32) * ref["scores"] + 1e-30
+    assert_within(own_scores, ref["scores"], score_bound, "softmax")
+    if value_rule == "block":
+        own_wv = reference_block_widths(own_scores, store, (4, 8), 32)
+    else:
+        own_wv = reference_value_widths(own_scores, store.value_high_bytes(), (4, 8), 32)[:, :, : store.n_full]
     assert torch.equal(wv.cpu(), own_wv)
-    assert_few_tokens_differ(wv, ref["wv"], "V widths")
+    step = 32 if value_rule == "block" else 1  # one width per block: count blocks
+    assert_few_tokens_differ(wv[..., ::step], ref["wv"][..., ::step], "V widths")
     own_values = store.read_values(own_wv, torch.float16)
     own_out = (own_scores.double().reshape(b, hkv, -1, n) @ own_values.double()).view(b, hq, 1, d)
     assert_within(out, own_out, output_bound(own_scores, own_values, torch.zeros(1), 1), "SV of the kernel's scores")
-    err = logit_bound(q, ref["keys"], scaling)
     assert_within(out, ref["out"], output_bound(ref["scores"], ref["values"], err, 1), "attention")
 
 
@@ -424,27 +599,41 @@ def test_16_bit_control_reads_every_plane(shape):
 
 
 @gpu_test
-def test_backend_attend_applies_the_rule():
+@pytest.mark.parametrize("value_rule", ["token", "block"])
+def test_backend_attend_applies_the_rule(value_rule):
     """The backend protocol (what ``KVLayer.attend`` calls): ``aligned_attention`` at the rule's tiers (the
-    margin added), in the query's dtype, and the widths it read."""
+    margin added) and value rule, in the query's dtype, and the widths it read."""
     from kernels_cupy.backend import attend
     from kernels_cupy.ops import aligned_attention
     from kvquant.formats.planes import AlignedRule
 
     b, hq, hkv, d, n = 2, 8, 2, 64, 200
+    v_block = 64 if value_rule == "block" else 1
     k, v, q = random_kv(b, hq, hkv, d, n, seed=9)
-    store = to_device(cpu_store(k, v, True, chunks_for(n)), "cuda")
-    rule = AlignedRule(k_thresholds=(4, 8), v_thresholds=(1, 2), topk=16, blockwise=True, margin=1.0)
+    store = to_device(cpu_store(k, v, True, chunks_for(n), 64 if value_rule == "block" else 0), "cuda")
+    rule = AlignedRule(
+        k_thresholds=(4, 8),
+        v_thresholds=(1, 2),
+        topk=16,
+        blockwise=True,
+        margin=1.0,
+        v_block=v_block,
+        value_rule=value_rule,
+    )
     out, reads = attend(store, rule, q.cuda(), None, d**-0.5)
-    want, want_wk, want_wv = aligned_attention(store, q.cuda(), None, d**-0.5, (5, 9), (2, 3), 16, True)
+    want, want_wk, want_wv = aligned_attention(
+        store, q.cuda(), None, d**-0.5, (5, 9), (2, 3), 16, True, value_rule=value_rule
+    )
     assert out.dtype == q.dtype and out.shape == (b, hq, 1, d)
     assert torch.equal(out, want.to(q.dtype))
     assert torch.equal(reads.k_widths, want_wk) and torch.equal(reads.v_widths, want_wv)
 
 
 @gpu_test
-def test_chunk_of_queries_with_a_mask():
-    """Two queries per step (prefill_aligned) with a boolean mask: rows are the most demanding query's."""
+@pytest.mark.parametrize("kind", ["bool", "additive", "additive_fp16"])
+def test_chunk_of_queries_with_a_mask(kind):
+    """Two queries per step (prefill_aligned) with a boolean or additive mask (applied inside QK, broadcast
+    over heads by strides): rows are the most demanding query's."""
     from kernels_cupy.ops import aligned_attention
     from kernels_cupy.reference import reference_attention
 
@@ -453,6 +642,10 @@ def test_chunk_of_queries_with_a_mask():
     mask = torch.ones(b, 1, 2, n, dtype=torch.bool)
     mask[:, :, 0, -1] = False
     mask[1, :, :, :10] = False
+    if kind != "bool":
+        mask = torch.where(mask, 0.0, float("-inf") if kind == "additive" else -3e4)
+        mask[0, :, 1, 5] = -0.75  # a finite bias the kernel adds, not only -inf
+        mask = mask.half() if kind == "additive_fp16" else mask
     store = cpu_store(k, v, False, chunks_for(n))
     ref = reference_attention(store, q, mask, d**-0.5)
     out, wk, wv = aligned_attention(to_device(store, "cuda"), q.cuda(), mask.cuda(), d**-0.5)
@@ -480,19 +673,22 @@ def test_real_captured_kv(request):
     hq = model.config.num_attention_heads
     for layer, (k, v) in enumerate(capture_kv(model, ids)):
         k, v = k.half(), v.half()
-        want = cpu_store(k, v, True, chunks_for(k.shape[2]))
-        got = PlaneStore(block_exponents=True)
+        want = cpu_store(k, v, True, chunks_for(k.shape[2]), 32)
+        got = PlaneStore(block_exponents=True, value_block=32)
         for start, stop in chunks_for(k.shape[2]):
             append(got, k[:, :, start:stop].cuda(), v[:, :, start:stop].cuda())
-        for name in ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c", "k_exp", "k_absmax", "tail_k", "tail_v"):
+        for name in ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c", "k_exp", "v_exp", "k_absmax", "tail_k", "tail_v"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (layer, name)
         d = k.shape[-1]
         q = (k[:, :, -1:].repeat_interleave(hq // k.shape[1], dim=1) * 1.5).contiguous()
-        for blockwise in (False, True):
-            ref = reference_attention(want, q, None, d**-0.5, (4, 8), (4, 8), 32, blockwise)
-            out, wk, wv = aligned_attention(got, q.cuda(), None, d**-0.5, (4, 8), (4, 8), 32, blockwise)
+        for blockwise, rule in [(False, "token"), (True, "token"), (False, "block"), (True, "block")]:
+            ref = reference_attention(want, q, None, d**-0.5, (4, 8), (4, 8), 32, blockwise, rule)
+            out, wk, wv = aligned_attention(
+                got, q.cuda(), None, d**-0.5, (4, 8), (4, 8), 32, blockwise, value_rule=rule
+            )
             assert torch.equal(wk.cpu(), ref["wk"]), layer
-            assert_few_tokens_differ(wv, ref["wv"], f"layer {layer} V widths")
+            step = 32 if rule == "block" else 1
+            assert_few_tokens_differ(wv[..., ::step], ref["wv"][..., ::step], f"layer {layer} {rule} V widths")
             err = logit_bound(q, ref["keys"], d**-0.5)
             assert_within(out, ref["out"], output_bound(ref["scores"], ref["values"], err, 1), f"layer {layer}")
 
@@ -535,8 +731,8 @@ def test_append_copies_odd_offset_inputs_and_owns_its_tails(n):
 @pytest.mark.parametrize("budget", [None, 40_000])
 def test_prefill_chunk_beyond_shared_memory_is_split_into_row_chunks(budget, blockwise, monkeypatch):
     """A ``prefill_aligned`` chunk of 128 tokens with 4 query heads per KV head at d=128: 512 query rows
-    need 274 KiB of QK shared memory, more than sm_90's 227 KiB, so QK runs in row chunks (and, with a
-    40 KB budget, the value rule too); widths stay those of all rows and results match the reference."""
+    need 274 KiB of QK shared memory, more than sm_90's 227 KiB, so QK runs in row chunks (also with a 40 KB
+    budget); widths stay those of all rows and results match the reference."""
     import kernels_cupy.ops as ops
     from kernels_cupy.reference import reference_attention
 
@@ -546,8 +742,6 @@ def test_prefill_chunk_beyond_shared_memory_is_split_into_row_chunks(budget, blo
     rows = hq // hkv * q_len
     available = ops.shared_memory_budget(0)
     assert len(row_chunks(rows, *qk_shared_bytes(d), available, "QK")) > 1
-    if budget is not None:
-        assert len(row_chunks(rows, 32 * 8, 0, available, "topk")) > 1
     k, v, q = random_kv(b, hq, hkv, d, n, seed=12, q_len=q_len)
     store = cpu_store(k, v, blockwise, [(0, n - q_len), (n - q_len, n)])
     positions = n - q_len + torch.arange(q_len)
@@ -569,3 +763,53 @@ def test_prefill_chunk_beyond_shared_memory_is_split_into_row_chunks(budget, blo
     assert_few_tokens_differ(wv, ref["wv"], "V widths")
     err = logit_bound(q, ref["keys"], scaling)
     assert_within(out, ref["out"], output_bound(ref["scores"], ref["values"], err, q_len), "attention")
+
+
+@gpu_test
+@pytest.mark.parametrize("value_rule", ["token", "block", "control"])
+def test_decode_step_replays_in_a_cuda_graph(value_rule):
+    """``attend`` for a fixed-size store captured in ``torch.cuda.graph``: no host sync, no allocation of the
+    ticket counters inside, and the replays equal eager steps bit for bit (every sum in a fixed order),
+    also after a new query is copied into the captured buffer."""
+    from kernels_cupy.backend import attend
+    from kernels_cupy.ops import aligned_attention
+    from kvquant.formats.planes import AlignedRule
+
+    b, hq, hkv, d, n = 2, 8, 2, 128, 1000
+    k, v, q = random_kv(b, hq, hkv, d, n, seed=13)
+    _, _, q2 = random_kv(b, hq, hkv, d, n, seed=14)
+    store = to_device(cpu_store(k, v, False, chunks_for(n), 32), "cuda")
+    scaling = d**-0.5
+    if value_rule == "control":
+
+        def step(query):
+            out, _, _ = aligned_attention(store, query, None, scaling, full=True)
+            return out, None
+
+    else:
+        rule = AlignedRule(topk=32, v_block=32 if value_rule == "block" else 1, value_rule=value_rule)
+
+        def step(query):
+            out, reads = attend(store, rule, query, None, scaling)
+            return out, reads.v_widths
+
+    static_q = q.cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up: compile, launch once, allocate the counters
+        for _ in range(2):
+            step(static_q)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got, got_wv = step(static_q)
+    for query in (q.cuda(), q2.cuda()):
+        static_q.copy_(query)
+        graph.replay()
+        want, want_wv = step(query.clone())
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        if want_wv is not None:
+            assert torch.equal(got_wv, want_wv)
+    first, _ = step(q.cuda())
+    assert not torch.equal(first, got)  # the replay followed the new query
