@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Decode attention on a GPU: torch fp16 SDPA vs the AlignedKV kernels vs their 16-bit control.
+"""Decode attention on a GPU: torch fp16 SDPA vs the AlignedKV kernels (paper rule, block rule) vs their 16-bit control.
 
     python scripts/bench_kernels.py                            # 4K..128K, batch 1 and 8, Llama-2-7B / Llama-3-8B shapes
     python scripts/bench_kernels.py --contexts 4096,32768 --batches 1 --out bench.md
@@ -10,7 +10,10 @@ per-token scales; queries give logits of a few units. Times are CUDA-event media
 
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on fp16 K/V (GQA without copies).
 - ``aligned`` / ``aligned+``: ``kernels_cupy.ops.aligned_attention`` (widths, QKᵀ, softmax, value
-  rule, SV) on the plane layout; ``aligned+`` uses per-block key exponents.
+  rule, SV: three launches) on the plane layout with the paper's value rule; ``aligned+`` uses per-block
+  key exponents.
+- ``block``: the same with the block-bound value rule (``alignedkv_block``, ``v_block`` 32: one width
+  per 32 tokens from the exponent bytes kept at append).
 - ``control``: the same kernels reading every plane, no rule (``full=True``).
 
 Bytes: ``KV MB`` counts what the kernels load from the planes at the widths they chose, plus the
@@ -34,7 +37,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SHAPES = {"llama2_7b": (32, 32, 128), "llama3_8b": (32, 8, 128)}  # q heads, kv heads, head_dim
-METHODS = ("sdpa", "aligned", "aligned+", "control")
+METHODS = ("sdpa", "aligned", "aligned+", "block", "control")
+VALUE_BLOCK = 32
 
 
 def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
@@ -75,11 +79,14 @@ def make_kv(batch: int, hq: int, hkv: int, d: int, n: int, seed: int = 0):
     return k, v, q
 
 
-def kv_bytes(store, wk: torch.Tensor | None, wv: torch.Tensor | None, blockwise: bool) -> tuple[int, float, float]:
+def kv_bytes(
+    store, wk: torch.Tensor | None, wv: torch.Tensor | None, blockwise: bool, block_rule: bool = False
+) -> tuple[int, float, float]:
     """``(bytes loaded from the cache, mean bits read per K element, per V element)`` for one step.
 
     ``None`` widths mean the 16-bit control. Plane A is always loaded; B where the width is >= 12,
-    C where it is 16. Tail tokens are fp16; metadata is the fp16 max ``|K|`` (and block exponents).
+    C where it is 16. Tail tokens are fp16; metadata is the fp16 max ``|K|`` (and the key block exponents,
+    and the block rule's value exponent bytes).
     """
     b, h, n_tail, d = store.tail_k.shape
     total = 2 * 2 * b * h * n_tail * d + 2 * b * h * d
@@ -96,6 +103,8 @@ def kv_bytes(store, wk: torch.Tensor | None, wv: torch.Tensor | None, blockwise:
         total += 64 * b * h * n_blk * d + 32 * k_extra + d * b * h * n_full + (d // 2) * v_extra
         if blockwise and store.k_exp is not None:
             total += store.k_exp.numel()
+        if block_rule and store.v_exp is not None:
+            total += store.v_exp.numel()
         bits_k = 8 + 4 * k_extra / max(1, wk_blocks.numel())
         bits_v = 8 + 4 * v_extra / max(1, wv_tokens.numel())
     return total, bits_k, bits_v
@@ -107,13 +116,15 @@ def score_bytes(batch: int, hq: int, n: int, rule: bool) -> int:
     return batch * hq * per_row
 
 
-def bench_one(shape: str, batch: int, context: int, repeats: int, copy_bw: float) -> dict:
+def bench_one(
+    shape: str, batch: int, context: int, repeats: int, copy_bw: float, methods: tuple[str, ...] = METHODS
+) -> dict:
     from kernels_cupy.ops import aligned_attention, append
     from kvquant.formats.planes import PlaneStore
 
     hq, hkv, d = SHAPES[shape]
     k, v, q = make_kv(batch, hq, hkv, d, context)
-    store = PlaneStore(block_exponents=True)
+    store = PlaneStore(block_exponents=True, value_block=VALUE_BLOCK)  # v_exp: read only by the block rule
     append(store, k, v)
     scaling = d**-0.5
     row = {"shape": shape, "batch": batch, "context": context}
@@ -125,15 +136,20 @@ def bench_one(shape: str, batch: int, context: int, repeats: int, copy_bw: float
         "sdpa": sdpa,
         "aligned": lambda: aligned_attention(store, q, None, scaling),
         "aligned+": lambda: aligned_attention(store, q, None, scaling, blockwise=True),
+        "block": lambda: aligned_attention(store, q, None, scaling, value_rule="block"),
         "control": lambda: aligned_attention(store, q, None, scaling, full=True),
     }
+    runs = {name: fn for name, fn in runs.items() if name in methods}
     for name, fn in runs.items():
         row[f"{name} ms"] = cuda_time(fn, repeats) * 1e3
     fp16_bytes = 2 * 2 * batch * hkv * context * d
     row["sdpa GB/s"] = fp16_bytes / row["sdpa ms"] * 1e-6
-    for name, blockwise, full in (("aligned", False, False), ("aligned+", True, False), ("control", False, True)):
+    kernels = [("aligned", False, False), ("aligned+", True, False), ("block", False, False), ("control", False, True)]
+    for name, blockwise, full in kernels:
+        if name not in runs:
+            continue
         _, wk, wv = runs[name]()
-        loaded, bits_k, bits_v = kv_bytes(store, wk, wv, blockwise)
+        loaded, bits_k, bits_v = kv_bytes(store, wk, wv, blockwise, block_rule=name == "block")
         moved = loaded + score_bytes(batch, hq, context, rule=not full)
         row[f"{name} KV MB"] = loaded / 1e6
         row[f"{name} GB/s"] = moved / row[f"{name} ms"] * 1e-6
@@ -151,17 +167,23 @@ COLUMNS = [
     ("sdpa ms", "{:.3f}"),
     ("aligned ms", "{:.3f}"),
     ("aligned+ ms", "{:.3f}"),
+    ("block ms", "{:.3f}"),
     ("control ms", "{:.3f}"),
     ("sdpa/aligned", "{:.2f}"),
     ("sdpa/aligned+", "{:.2f}"),
+    ("sdpa/block", "{:.2f}"),
     ("control/aligned", "{:.2f}"),
     ("aligned bits K", "{:.2f}"),
     ("aligned bits V", "{:.2f}"),
+    ("block bits V", "{:.2f}"),
     ("aligned+ bits K", "{:.2f}"),
     ("fp16 KV MB", "{:.1f}"),
     ("aligned KV MB", "{:.1f}"),
     ("aligned GB/s", "{:.0f}"),
     ("aligned %copy", "{:.0f}"),
+    ("block KV MB", "{:.1f}"),
+    ("block GB/s", "{:.0f}"),
+    ("block %copy", "{:.0f}"),
     ("control GB/s", "{:.0f}"),
     ("control %copy", "{:.0f}"),
     ("sdpa GB/s", "{:.0f}"),
@@ -172,10 +194,14 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         row = dict(row)
-        if "sdpa ms" in row:
-            row["sdpa/aligned"] = row["sdpa ms"] / row["aligned ms"]
-            row["sdpa/aligned+"] = row["sdpa ms"] / row["aligned+ ms"]
-            row["control/aligned"] = row["control ms"] / row["aligned ms"]
+        for ratio, (num, den) in {
+            "sdpa/aligned": ("sdpa", "aligned"),
+            "sdpa/aligned+": ("sdpa", "aligned+"),
+            "sdpa/block": ("sdpa", "block"),
+            "control/aligned": ("control", "aligned"),
+        }.items():
+            if f"{num} ms" in row and f"{den} ms" in row:
+                row[ratio] = row[f"{num} ms"] / row[f"{den} ms"]
         cells = [fmt.format(row[name]) if name in row else row.get("note", "") for name, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -186,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"any of {', '.join(METHODS)}")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--max-seconds", type=float, default=0.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
@@ -201,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         if shape not in SHAPES:
             print(f"error: unknown shape '{shape}'; valid: {', '.join(SHAPES)}", file=sys.stderr)
             return 2
+    methods = tuple(args.methods.split(","))
+    if "sdpa" not in methods or any(m not in METHODS for m in methods):
+        print(f"error: --methods must include sdpa and name only {', '.join(METHODS)}", file=sys.stderr)
+        return 2
     start = time.monotonic()
     copy_bw = copy_bandwidth()
     device = torch.cuda.get_device_name()
@@ -214,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"shape": shape, "batch": batch, "context": context, "note": "skipped: time budget"})
                     continue
                 try:
-                    rows.append(bench_one(shape, batch, context, args.repeats, copy_bw))
+                    rows.append(bench_one(shape, batch, context, args.repeats, copy_bw, methods))
                 except torch.OutOfMemoryError:
                     rows.append({"shape": shape, "batch": batch, "context": context, "note": "out of memory"})
                 torch.cuda.empty_cache()  # this configuration's K/V and planes are gone with bench_one's frame

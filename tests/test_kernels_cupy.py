@@ -250,6 +250,10 @@ def test_bench_counts_bytes_read():
     total, bits_k, bits_v = bench.kv_bytes(store, wk, wv, True)
     assert (bits_k, bits_v) == (8.0, 8.0)
     assert total == 2 * b * h * 3 * 64 * d + 2 * 2 * b * h * 5 * d + meta + store.k_exp.numel()
+    block_store = cpu_store(k, v, False, [(0, n)], 32)  # the block rule also reads its exponent bytes
+    assert block_store.v_exp.numel() == b * h * 6 * d
+    with_exp = bench.kv_bytes(block_store, wk, wv, False, block_rule=True)[0]
+    assert with_exp == bench.kv_bytes(block_store, wk, wv, False)[0] + block_store.v_exp.numel()
 
 
 SM90, SM80 = 232448, 166912
