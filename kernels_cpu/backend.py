@@ -59,27 +59,24 @@ def attend_fp16(state: Any, rule: Any, query: torch.Tensor, mask, scaling: float
 
 def kivi_tensors(state: Any) -> dict[str, Any]:
     """``attend_kivi``'s store arguments from a ``kvquant.formats.codes.CodesState``."""
-    args: dict[str, Any] = {"bits": state.bits, "group_size": state.group_size}
-    for name, stream in (("k", state.k), ("v", state.v)):
-        if stream.fp16.sinks is not None:
-            raise ValueError("kernels_cpu: a window with attention sinks is not supported")
-        quant = stream.store.q
-        args[f"{name}_codes"] = None if quant is None else quant.codes
-        args[f"{name}_scale"] = None if quant is None else quant.scale
-        args[f"{name}_zero"] = None if quant is None else quant.zero
-        args[f"{name}_window"] = stream.window
-    return args
+    return {"k": code_stream(state.k), "v": code_stream(state.v), "bits": state.bits, "group_size": state.group_size}
 
 
 def gear_tensors(state: Any) -> dict[str, Any]:
     """``attend_gear``'s store arguments from a ``kvquant.formats.gear.GearState``."""
-    args = kivi_tensors(state)
-    for name, stream in (("k", state.k), ("v", state.v)):
-        store = stream.store
-        args[f"{name}_index"] = store.index
-        args[f"{name}_value"] = store.value
-        args[f"{name}_runs"] = [(run.start, run.seg_len, run.a, run.b) for run in store.runs]
-    return args
+    return {**kivi_tensors(state), "k": code_stream(state.k, sparse=True), "v": code_stream(state.v, sparse=True)}
+
+
+def code_stream(stream: Any, sparse: bool = False) -> ops.CodeStream:
+    """One ``kvquant.formats.window.Stream`` as the code kernels read it (GEAR's outliers and runs too)."""
+    if stream.fp16.sinks is not None:
+        raise ValueError("kernels_cpu: a window with attention sinks is not supported")
+    store, quant = stream.store, stream.store.q
+    parts = (None, None, None) if quant is None else (quant.codes, quant.scale, quant.zero)
+    if not sparse:
+        return ops.CodeStream(*parts, stream.window)
+    runs = [(run.start, run.seg_len, run.a, run.b) for run in store.runs]
+    return ops.CodeStream(*parts, stream.window, store.index, store.value, runs)
 
 
 def attend_kivi(state: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:

@@ -12,6 +12,7 @@ no key gives zeros. HIGGS and AQUA-KV's are in ``kernels_cpu.coded``; ``kernels_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -176,16 +177,49 @@ def exponent_gaps(e_o: torch.Tensor, v_high: torch.Tensor) -> torch.Tensor:
     return module().exponent_gaps(e_o, v_high)
 
 
+Run = tuple[int, int, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CodeStream:
+    """One of K or V as the integer-code kernels read it: ``codes`` uint8 ``[B, Hkv, T, D·bits/8]`` with fp16
+    ``scale``/``zero`` (keys ``[B, Hkv, T/G, 1, D]``: per channel, groups of ``G`` tokens; values
+    ``[B, Hkv, T, D/G, 1]``: per token, groups of ``G`` channels; all None before the first flush), then the
+    fp16 ``window`` ``[B, Hkv, w, D]``. GEAR's: the exact outliers (``index`` int32 ``[B, Hkv, n]`` = token·D
+    + channel, ``value`` fp16) and the low-rank ``runs`` ``(start, seg_len, A, B)``, ``A``
+    ``[B, Hkv, n_seg, seg_len, r]`` and ``B`` ``[B, Hkv, n_seg, D, r]`` fp16."""
+
+    codes: torch.Tensor | None
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    window: torch.Tensor
+    index: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    runs: Sequence[Run] = ()
+
+    @property
+    def length(self) -> int:
+        return self.window.shape[-2] + (0 if self.codes is None else self.codes.shape[-2])
+
+    def quantized(self) -> tuple:
+        return self.codes, self.scale, self.zero, self.window
+
+    def sparse(self) -> tuple:
+        runs = self.runs
+        return (
+            self.index,
+            self.value,
+            [int(r[0]) for r in runs],
+            [int(r[1]) for r in runs],
+            [r[2] for r in runs],
+            [r[3] for r in runs],
+        )
+
+
 def attend_kivi(
     q: torch.Tensor,
-    k_codes: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    k_zero: torch.Tensor | None,
-    k_window: torch.Tensor,
-    v_codes: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    v_zero: torch.Tensor | None,
-    v_window: torch.Tensor,
+    k: CodeStream,
+    v: CodeStream,
     *,
     bits: int,
     group_size: int,
@@ -193,38 +227,17 @@ def attend_kivi(
     scaling: float | None = None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """Attention over a KIVI store: quantized keys then the fp16 key window, likewise for values.
-
-    Keys: ``k_codes`` uint8 ``[B, Hkv, Tk, D·bits/8]``, ``k_scale``/``k_zero`` fp16
-    ``[B, Hkv, Tk/G, 1, D]`` (per channel, groups of ``G`` tokens). Values: ``v_codes``
-    ``[B, Hkv, Tv, D·bits/8]``, ``v_scale``/``v_zero`` ``[B, Hkv, Tv, D/G, 1]`` (per token, groups of
-    ``G`` channels). ``Tk`` and ``Tv`` may differ; ``Tk + window length`` must equal ``Tv + window``.
-    A part not quantized yet is ``None``. ``kernels_cpu.backend.kivi_tensors(state)`` gives all of these.
-    """
-    length = k_window.shape[-2] + (0 if k_codes is None else k_codes.shape[-2])
-    stored = (k_codes, k_scale, k_zero, k_window, v_codes, v_scale, v_zero, v_window, int(bits), int(group_size))
-    return as_query(call("attend_kivi", q, stored, mask, length, causal, _scaling(scaling, q)), q)
-
-
-Run = tuple[int, int, torch.Tensor, torch.Tensor]
+    """Attention over a KIVI store: quantized keys then the fp16 key window, likewise for values. Keys
+    leave the window in blocks, values one at a time, so their coded lengths may differ; ``k.length`` must
+    equal ``v.length``. ``kernels_cpu.backend.kivi_tensors(state)`` gives all of these."""
+    stored = (*k.quantized(), *v.quantized(), int(bits), int(group_size))
+    return as_query(call("attend_kivi", q, stored, mask, k.length, causal, _scaling(scaling, q)), q)
 
 
 def attend_gear(
     q: torch.Tensor,
-    k_codes: torch.Tensor | None,
-    k_scale: torch.Tensor | None,
-    k_zero: torch.Tensor | None,
-    k_window: torch.Tensor,
-    k_index: torch.Tensor | None,
-    k_value: torch.Tensor | None,
-    k_runs: Sequence[Run],
-    v_codes: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    v_zero: torch.Tensor | None,
-    v_window: torch.Tensor,
-    v_index: torch.Tensor | None,
-    v_value: torch.Tensor | None,
-    v_runs: Sequence[Run],
+    k: CodeStream,
+    v: CodeStream,
     *,
     bits: int,
     group_size: int,
@@ -232,22 +245,8 @@ def attend_gear(
     scaling: float | None = None,
     causal: bool = False,
 ) -> torch.Tensor:
-    """Attention over a GEAR store: ``attend_kivi``'s codes and windows, plus per stream the exact
-    outliers (``index`` int32 ``[B, Hkv, n]`` = token·D + channel, ``value`` fp16 ``[B, Hkv, n]``; they
-    replace the reconstruction there) and the low-rank runs ``(start, seg_len, A, B)`` with ``A``
-    ``[B, Hkv, n_seg, seg_len, r]`` and ``B`` ``[B, Hkv, n_seg, D, r]`` fp16, applied as ``q·(A Bᵀ)``
-    and ``(p A) Bᵀ`` without expanding ``A Bᵀ``. ``kernels_cpu.backend.gear_tensors(state)`` gives all
-    of these.
-    """
-    length = k_window.shape[-2] + (0 if k_codes is None else k_codes.shape[-2])
-
-    def runs(rs: Sequence[Run]) -> list:
-        return [[int(r[0]) for r in rs], [int(r[1]) for r in rs], [r[2] for r in rs], [r[3] for r in rs]]
-
-    stored = (
-        *(k_codes, k_scale, k_zero, k_window, k_index, k_value, *runs(k_runs)),
-        *(v_codes, v_scale, v_zero, v_window, v_index, v_value, *runs(v_runs)),
-        int(bits),
-        int(group_size),
-    )
-    return as_query(call("attend_gear", q, stored, mask, length, causal, _scaling(scaling, q)), q)
+    """Attention over a GEAR store: ``attend_kivi``'s codes and windows, plus per stream the exact outliers
+    (they replace the reconstruction there) and the low-rank runs, applied as ``q·(A Bᵀ)`` and ``(p A) Bᵀ``
+    without expanding ``A Bᵀ``. ``kernels_cpu.backend.gear_tensors(state)`` gives all of these."""
+    stored = (*k.quantized(), *k.sparse(), *v.quantized(), *v.sparse(), int(bits), int(group_size))
+    return as_query(call("attend_gear", q, stored, mask, k.length, causal, _scaling(scaling, q)), q)

@@ -67,6 +67,7 @@ if str(ROOT) not in sys.path:
 
 import kernels_cpu  # noqa: E402
 from kernels_cpu.backend import plane_keys, v8_magnitudes  # noqa: E402
+from kernels_cpu.ops import CodeStream  # noqa: E402
 from kvquant.formats.planes import AlignedRule, decide_widths  # noqa: E402
 
 SHAPES = {"9q/3kv x 64": (9, 3, 64), "32q/32kv x 128": (32, 32, 128), "32q/8kv x 128": (32, 8, 128)}
@@ -110,39 +111,35 @@ def _half(*shape: int) -> torch.Tensor:
     return (torch.rand(*shape) * 0.1).half()
 
 
-def _quantized(name: str, hkv: int, n: int, d: int, bits: int, group: int) -> dict:
+def _quantized(name: str, hkv: int, n: int, d: int, bits: int, group: int) -> tuple:
+    """Random codes and fp16 scale/zero of ``n`` coded tokens of a key (``k``) or value stream."""
     codes = torch.randint(0, 256, (1, hkv, n, d * bits // 8), dtype=torch.uint8)
     meta = (1, hkv, n // group, 1, d) if name == "k" else (1, hkv, n, d // group, 1)
-    return {f"{name}_codes": codes, f"{name}_scale": _half(*meta), f"{name}_zero": _half(*meta)}
+    return codes, _half(*meta), _half(*meta)
 
 
 def kivi_store(hkv: int, length: int, d: int, bits: int) -> dict:
-    """KIVI's tensors for a ``length``-token prefill: quantized keys in whole blocks of RESIDUAL, the rest fp16."""
+    """KIVI's streams for a ``length``-token prefill: quantized keys in whole blocks of RESIDUAL, the rest fp16."""
     w_k = (length - 1) % RESIDUAL + 1 if length > RESIDUAL else length
     w_v = min(length, RESIDUAL)
-    return {
-        **_quantized("k", hkv, length - w_k, d, bits, GROUP),
-        "k_window": torch.randn(1, hkv, w_k, d).half(),
-        **_quantized("v", hkv, length - w_v, d, bits, GROUP),
-        "v_window": torch.randn(1, hkv, w_v, d).half(),
-        "bits": bits,
-        "group_size": GROUP,
-    }
+    k = CodeStream(*_quantized("k", hkv, length - w_k, d, bits, GROUP), torch.randn(1, hkv, w_k, d).half())
+    v = CodeStream(*_quantized("v", hkv, length - w_v, d, bits, GROUP), torch.randn(1, hkv, w_v, d).half())
+    return {"k": k, "v": v, "bits": bits, "group_size": GROUP}
 
 
 def gear_store(hkv: int, length: int, d: int, bits: int) -> dict:
-    """GEAR's tensors (defaults: group 64, 2% outliers, rank 4) after a ``length``-token prefill: one
+    """GEAR's streams (defaults: group 64, 2% outliers, rank 4) after a ``length``-token prefill: one
     segment of whole RESIDUAL blocks with its outliers (random positions) and one low-rank run."""
     w = (length - 1) % RESIDUAL + 1 if length > RESIDUAL else length
     n = length - w
     store: dict = {"bits": bits, "group_size": GEAR_GROUP}
     for name in ("k", "v"):
-        store.update(_quantized(name, hkv, n, d, bits, GEAR_GROUP))
-        store[f"{name}_window"] = torch.randn(1, hkv, w, d).half()
         count = 2 * int(GEAR_OUTLIERS * n * d / 2)
-        store[f"{name}_index"] = torch.randint(0, max(n * d, 1), (1, hkv, count), dtype=torch.int32)
-        store[f"{name}_value"] = torch.randn(1, hkv, count).half()
-        store[f"{name}_runs"] = [(0, n, _half(1, hkv, 1, n, GEAR_RANK), _half(1, hkv, 1, d, GEAR_RANK))] if n else []
+        index = torch.randint(0, max(n * d, 1), (1, hkv, count), dtype=torch.int32)
+        runs = [(0, n, _half(1, hkv, 1, n, GEAR_RANK), _half(1, hkv, 1, d, GEAR_RANK))] if n else []
+        window = torch.randn(1, hkv, w, d).half()
+        quantized = _quantized(name, hkv, n, d, bits, GEAR_GROUP)
+        store[name] = CodeStream(*quantized, window, index, torch.randn(1, hkv, count).half(), runs)
     return store
 
 
@@ -151,9 +148,12 @@ def nbytes(tensors) -> int:
 
 
 def stored_bytes(store: dict) -> int:
-    """Every byte a store holds (and a kernel reads): its tensors and its low-rank runs' factors."""
-    runs = [x for key, value in store.items() if key.endswith("_runs") for _, _, *x in value]
-    return nbytes(store.values()) + sum(nbytes(factors) for factors in runs)
+    """Every byte a store holds (and a kernel reads): its streams' tensors and low-rank runs' factors."""
+    total = 0
+    for stream in (store["k"], store["v"]):
+        total += nbytes([stream.codes, stream.scale, stream.zero, stream.window, stream.index, stream.value])
+        total += sum(nbytes(factors) for _, _, *factors in stream.runs)
+    return total
 
 
 def bench_row(

@@ -308,6 +308,10 @@ def test_block_rule_exponent_bytes_are_the_blocks_largest_fields():
     assert torch.equal(store.v_exp, fields.unflatten(2, (-1, 16)).amax(3))
     store.drop_blocks(1)  # a sliding layer's oldest 64 tokens: their 4 exponent rows go too
     assert torch.equal(store.v_exp, fields[:, :, 64:].unflatten(2, (-1, 16)).amax(3))
+    two, _, _ = block_case(2, 2, 1, 130, 8, 1, 32, seed=4)
+    before = two.v_exp.clone()
+    two.map_tensors(lambda t: t[[1, 0]])  # a beam reorder moves the exponent bytes with their rows
+    assert torch.equal(two.v_exp, before[[1, 0]])
     with pytest.raises(InvalidParameterError, match="value_block 48 must divide"):
         PlaneStore(value_block=48).append(torch.zeros(1, 1, 1, 8).half(), torch.zeros(1, 1, 1, 8).half())
 

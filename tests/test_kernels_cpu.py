@@ -209,7 +209,7 @@ def test_gear_matches_reference(built, threads, case):
     k, v = run_layer(layer, b, hkv, prefill, steps, d)
     args = gear_tensors(layer.state)
     if ratio:
-        assert args["k_index"] is not None and args["k_index"].shape[-1] > 0
+        assert args["k"].index is not None and args["k"].index.shape[-1] > 0
     length = k.shape[2]
     for q_len in (1, 3):
         q = torch.randn(b, hq, q_len, d)

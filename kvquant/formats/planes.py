@@ -138,6 +138,7 @@ class PlaneStore(FormatState):
         "tail_v",
         "k_absmax",
         "k_exp",
+        "v_exp",
     )
 
     def tensors_k(self) -> list[torch.Tensor | None]:
