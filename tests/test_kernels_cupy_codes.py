@@ -1,0 +1,376 @@
+"""The CuPy kernels over integer codes (KIVI) and GEAR (kernels_cupy/codes.cu): on CPU, the compile for
+sm_80/sm_90 (no warnings, no spills), every launch and argument helper, and the kernel emulated line for
+line in torch (kernels_cupy.codes_emulate) against the torch reference; on a GPU, the kernels themselves
+against the reference on the same states."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels_cupy import cupy_status
+from kernels_cupy.codes import (
+    CHANNELS_PER_LANE,
+    MIN_CHUNK,
+    RANK_MAX,
+    ROW_TILES,
+    TOKENS_IN_FLIGHT,
+    check_state,
+    gear_args,
+    lane_groups,
+    lanes_per_token,
+    limits,
+    mask_view,
+    outlier_rows,
+    plan,
+    query_times_b,
+    row_tile,
+    run_rows,
+    segment_bases,
+    shared_bytes,
+)
+from kernels_cupy.codes_emulate import emulate, lane_codes
+from kernels_cupy.loader import SOURCE_DIR
+from kvquant.cache import KVGeometry
+from kvquant.formats import codes as codes_format
+from kvquant.formats.codes import CodesState, QuantStore
+from kvquant.formats.gear import GearCoding, GearState, GearStore
+from kvquant.formats.window import CHANNEL_AXIS, TOKEN_AXIS, Stream
+from kvquant.quant.integer import pack, unpack
+
+GPU_OK, GPU_WHY = cupy_status()
+
+
+def gpu_test(fn):
+    """Marked ``gpu``; skipped with the reason where cupy or a CUDA device is missing."""
+    return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason=f"needs cupy and a CUDA GPU: {GPU_WHY}")(fn))
+
+
+def kivi_state(bits, group, residual, b, h, d, chunks, seed=0):
+    """A KIVI layer's state as ``KiviLayer.new_state`` builds it, fed ``chunks`` tokens at a time."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = Stream(QuantStore(bits, TOKEN_AXIS, group), residual, block=residual)
+    values = Stream(QuantStore(bits, CHANNEL_AXIS, group), residual, block=None)
+    state = CodesState(keys, values, bits, group)
+    for n in chunks:
+        k, v = torch.randn(b, h, n, d, generator=gen), torch.randn(b, h, n, d, generator=gen)
+        state.append(k.half().float(), v.half().float(), decode=n == 1)
+    return state
+
+
+def gear_state(bits, group, residual, b, h, d, chunks, seed=0, ratio=0.02, rank=4, rank_decode=2):
+    """A GEAR layer's state as ``GearLayer.new_state`` builds it (outliers, a prefill run, a decode run)."""
+    gen = torch.Generator().manual_seed(seed)
+    coding = GearCoding(bits, ratio, rank, rank_decode, 3, seed)
+    keys = Stream(GearStore(coding, TOKEN_AXIS, group), residual, block=residual)
+    values = Stream(GearStore(coding, CHANNEL_AXIS, group), residual, block=residual)
+    state = GearState(keys, values, bits, group)
+    for n in chunks:
+        k, v = torch.randn(b, h, n, d, generator=gen), torch.randn(b, h, n, d, generator=gen)
+        k[..., 0] *= 8  # an outlier channel, as real keys have
+        state.append(k.half().float(), v.half().float(), decode=n == 1)
+    return state
+
+
+def state_for(fmt, *args, **kwargs):
+    return (kivi_state if fmt == "kivi" else gear_state)(*args, **kwargs)
+
+
+def left_padding(b, n, pad):
+    """A bool mask ``[b, 1, 1, n]``: row i cannot see its first ``pad[i]`` keys (left padding)."""
+    mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    for i, p in enumerate(pad):
+        mask[i, ..., :p] = False
+    return mask
+
+
+# ---------------------------------------------------------------- CPU: compile
+
+
+def _nvcc(arch: str, out: str, *extra: str) -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    # -ftz=true as CuPy compiles; -Werror all-warnings turns every warning into a failure.
+    cmd = [nvcc, f"-arch={arch}", "-ftz=true", "-Werror", "all-warnings", *extra]
+    done = subprocess.run([*cmd, str(SOURCE_DIR / "codes.cu"), "-o", out], capture_output=True)
+    log = (done.stdout + done.stderr).decode(errors="replace")
+    assert done.returncode == 0, log
+    return log
+
+
+def test_codes_cu_compiles_to_sm80_ptx_without_warnings(tmp_path):
+    log = _nvcc("sm_80", str(tmp_path / "out.ptx"), "-ptx")
+    assert not log.strip(), log
+    assert ".entry codes_kivi_b2_r1" in (tmp_path / "out.ptx").read_text()
+
+
+def test_codes_cu_compiles_for_sm90_without_warnings_or_spills(tmp_path):
+    """``ptxas -v`` on every kernel: no warning, no stack frame, no spill (the numbers in the README)."""
+    log = _nvcc("sm_90", str(tmp_path / "out.cubin"), "-cubin", "-Xptxas", "-v")
+    info = re.compile(r"ptxas info|bytes stack frame")
+    assert not [line for line in log.splitlines() if line.strip() and not info.search(line)], log
+    entries = re.findall(r"Compiling entry function '(\w+)'", log)
+    names = {f"codes_{fmt}_b{bits}_r{rt}" for fmt, tiles in ROW_TILES.items() for rt in tiles for bits in (2, 4, 8)}
+    assert set(entries) == names | {"codes_merge"}
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(frames) == len(entries) and all(f == ("0", "0", "0") for f in frames), log
+
+
+# ---------------------------------------------------------------- CPU: launch and argument helpers
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("d", [8, 16, 64, 96, 128, 256])
+def test_lanes_unpack_codes_as_kvquant_packs_them(bits, d):
+    gen = torch.Generator().manual_seed(bits * d)
+    codes = torch.randint(0, 1 << bits, (3, 5, d), generator=gen, dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert torch.equal(lane_codes(packed, bits, d), unpack(packed, bits, d).float())
+    assert torch.equal(lane_codes(packed, bits, d), codes.float())
+
+
+def test_lane_geometry():
+    assert [lanes_per_token(d) for d in (8, 16, 24, 64, 80, 96, 128, 256)] == [1, 2, 4, 8, 16, 16, 16, 32]
+    for d in range(8, 257, 8):
+        lpt = lanes_per_token(d)
+        assert lpt * CHANNELS_PER_LANE >= d > lpt * CHANNELS_PER_LANE // 2 and 32 % lpt == 0
+        assert lane_groups(d) * lpt == 128
+        for tiles in ROW_TILES.values():
+            for rt in tiles:
+                assert shared_bytes(d, rt) <= 48 * 1024  # no opt-in needed
+
+
+def test_row_tiles():
+    assert [row_tile("kivi", r) for r in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [row_tile("gear", r) for r in (1, 3, 4, 7, 16)] == [1, 4, 4, 4, 4]
+    assert set(TOKENS_IN_FLIGHT) == {(fmt, rt) for fmt, tiles in ROW_TILES.items() for rt in tiles}
+
+
+@pytest.mark.parametrize("length", [1, 17, 255, 256, 257, 1000, 4129, 32768, 131072])
+@pytest.mark.parametrize("ctas", [1, 8, 32, 256, 4096])
+@pytest.mark.parametrize("d", [8, 128])
+def test_plan_covers_the_sequence_in_whole_steps(length, ctas, d):
+    for u in (2, 4):
+        n_split, chunk = plan(length, ctas, 132, d, u)
+        assert chunk % (lane_groups(d) * u) == 0
+        assert (n_split - 1) * chunk < length <= n_split * chunk
+        assert n_split <= max(1, -(-length // MIN_CHUNK))
+        assert n_split == 1 or ctas * n_split <= 4 * 132 + ctas
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "half"])
+def test_mask_view_reads_what_the_reference_applies(kind):
+    gen = torch.Generator().manual_seed(1)
+    b, hq, q_len, n = 2, 4, 3, 11
+    for shape in [(b, 1, 1, n + 5), (b, hq, q_len, n), (1, 1, q_len, n), (q_len, n)]:
+        if kind == "bool":
+            mask = torch.rand(shape, generator=gen) > 0.3
+        else:
+            mask = torch.randn(shape, generator=gen).to(torch.float32 if kind == "float" else torch.float16)
+        view, code, strides = mask_view(mask, b, hq, q_len, n)
+        assert code == (1 if kind == "bool" else 2)
+        want = mask[..., :n].expand(b, hq, q_len, n)
+        got = torch.as_strided(view, (b, hq, q_len, n), strides, view.storage_offset())
+        assert torch.equal(got.bool() if kind == "bool" else got, want if kind != "half" else want.float())
+        if kind == "bool" and shape[1] == 1:
+            assert strides[1] == 0 and view.untyped_storage().nbytes() == mask.numel()  # no copy
+
+
+def test_outlier_rows_list_each_tokens_outliers():
+    state = gear_state(4, 8, 16, 2, 3, 32, [70, *[1] * 40])
+    store = state.k.store
+    d, n = 32, store.length
+    row_ptr, pos, val = outlier_rows(store.index, store.value, n, d)
+    assert row_ptr.dtype == pos.dtype == torch.int32 and row_ptr.shape == (2, 3, n + 1)
+    for b in range(2):
+        for h in range(3):
+            want = {int(p): float(v) for p, v in zip(store.index[b, h], store.value[b, h], strict=True)}
+            got = {}
+            for t in range(n):
+                for o in range(int(row_ptr[b, h, t]), int(row_ptr[b, h, t + 1])):
+                    assert t * d <= int(pos[b, h, o]) < (t + 1) * d
+                    got[int(pos[b, h, o])] = float(val[b, h, o])
+            assert got == want and int(row_ptr[b, h, n]) == store.index.shape[-1]
+
+
+def test_runs_table_and_q_b():
+    state = gear_state(2, 8, 16, 2, 2, 32, [70, *[1] * 40])
+    runs = state.k.store.runs
+    assert len(runs) == 2 and runs[0].a.shape[-1] == 4 and runs[1].a.shape[-1] == 2
+    assert segment_bases(runs) == [0, runs[0].a.shape[2]]
+    for row, run, base in zip(run_rows(runs), runs, segment_bases(runs), strict=True):
+        assert row[:5] == [run.start, run.seg_len, run.a.shape[2], run.a.shape[-1], base]
+        assert row[5:11] == [run.a.data_ptr(), *run.a.stride()] and row[11:17] == [run.b.data_ptr(), *run.b.stride()]
+    q = torch.randn(2, 2, 3, 32)
+    qb = query_times_b(q, runs)
+    assert qb.shape == (2, 2, sum(r.a.shape[2] for r in runs), 3, RANK_MAX)
+    for run, base in zip(runs, segment_bases(runs), strict=True):
+        for s in range(run.a.shape[2]):
+            r = run.a.shape[-1]
+            torch.testing.assert_close(qb[:, :, base + s, :, :r], q @ run.b[:, :, s].float())
+            assert not qb[:, :, base + s, :, r:].any()
+
+
+def test_ranks_beyond_the_kernel_are_refused():
+    state = gear_state(2, 8, 16, 1, 1, 32, [40], rank=RANK_MAX + 1)
+    with pytest.raises(ValueError, match="ranks up to"):
+        run_rows(state.k.store.runs)
+
+
+def test_gear_arguments_are_rebuilt_when_the_store_changes():
+    state = gear_state(2, 8, 16, 1, 2, 32, [40])
+    store = state.k.store
+    first = gear_args(store, 32, torch.device("cpu"))
+    assert gear_args(store, 32, torch.device("cpu")) is first
+    state.append(torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32), decode=False)
+    second = gear_args(store, 32, torch.device("cpu"))
+    assert second is not first and second.rows[0].shape[-1] == store.length + 1
+    state.map_tensors(lambda t: t.index_select(0, torch.tensor([0])))  # a beam reorder: new tensors
+    assert gear_args(store, 32, torch.device("cpu")) is not second
+
+
+def test_limits_and_refusals():
+    geo = KVGeometry(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64)
+    assert limits("kivi", geo, None) == [] and limits("gear", geo, None) == []
+    odd = KVGeometry(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=60, sliding_window=4096, softcap=50.0)
+    assert limits("kivi", odd, None) == [
+        "attention-logit soft-capping (50.0)",
+        "sliding-window layers (4096)",
+        "heads of 60 channels (they need a multiple of 8 up to 256)",
+    ]
+    state = kivi_state(2, 8, 16, 1, 1, 32, [20])
+    state.k.fp16.sinks = state.k.window[:, :, :1].clone()
+    with pytest.raises(ValueError, match="attention sinks"):
+        check_state(state, 32)
+
+
+def test_the_module_imports_without_cupy():
+    code = "import sys; import kernels_cupy.codes, kernels_cupy.codes_emulate; assert 'cupy' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
+
+
+# ---------------------------------------------------------------- CPU: the kernel emulated against the reference
+
+# (fmt, bits, group, residual, batch, q heads, kv heads, head_dim, chunks, q_len, mask, SMs)
+CASES = [
+    ("kivi", 2, 8, 16, 1, 4, 4, 32, [40, *[1] * 9], 1, None, 132),  # MHA, keys 48 coded / values 33
+    ("kivi", 4, 32, 64, 2, 8, 2, 128, [700, *[1] * 5], 1, "pad", 132),  # GQA, batch 2, left padding, 3 splits
+    ("kivi", 8, 8, 32, 2, 6, 2, 8, [300, 1, 1], 1, "additive", 16),  # head_dim 8: 128 lane groups
+    ("kivi", 2, 16, 32, 1, 8, 1, 96, [600], 3, None, 132),  # MQA, 24 rows in 3 tiles, causal chunk
+    ("kivi", 4, 64, 64, 3, 2, 1, 256, [20], 1, None, 132),  # nothing coded yet: the windows only
+    ("kivi", 2, 8, 16, 2, 4, 2, 16, [13, *[1] * 30], 2, "pad", 8),  # a masked two-token step
+    ("gear", 2, 8, 16, 1, 4, 4, 32, [50, *[1] * 20], 1, None, 132),  # prefill run + decode run
+    ("gear", 4, 32, 64, 2, 8, 2, 128, [600, *[1] * 70], 1, "pad", 132),  # GQA, 2 splits, left padding
+    ("gear", 2, 8, 32, 2, 6, 2, 8, [300, *[1] * 40], 1, "additive", 16),  # head_dim 8, additive mask
+    ("gear", 4, 16, 32, 1, 8, 1, 64, [400, 40, *[1] * 30], 2, None, 132),  # 16 rows in 4 tiles, causal, 3 runs
+]
+
+
+def _query_and_mask(case, length, device="cpu"):
+    fmt, bits, group, residual, b, hq, hkv, d, chunks, q_len, mask_kind, sms = case
+    gen = torch.Generator().manual_seed(len(chunks) * 7 + d)
+    query = torch.randn(b, hq, q_len, d, generator=gen)
+    mask = None
+    if mask_kind == "pad":
+        mask = left_padding(b, length, [0, 5, 9][:b])
+        if q_len > 1:
+            mask = mask & torch.ones(q_len, length, dtype=torch.bool).tril(length - q_len)
+    elif mask_kind == "additive":
+        mask = torch.randn(b, 1, q_len, length, generator=gen)
+        mask[..., :3] = float("-inf")
+    return query.to(device), None if mask is None else mask.to(device)
+
+
+def _state(case):
+    fmt, bits, group, residual, b, hq, hkv, d, chunks, q_len, mask_kind, sms = case
+    return state_for(fmt, bits, group, residual, b, hkv, d, chunks)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}{c[1]}-d{c[7]}-{c[5]}x{c[6]}-q{c[9]}-{c[10]}")
+def test_emulated_kernel_equals_the_reference(case):
+    fmt, d, sms = case[0], case[7], case[11]
+    state = _state(case)
+    query, mask = _query_and_mask(case, state.length)
+    ref = codes_format.attend(state, None, query, mask, d**-0.5)[0]
+    got = emulate(fmt, state, query, mask, d**-0.5, sms=sms)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_the_cases_cover_splits_tiles_and_gear_parts():
+    for case in CASES:
+        fmt, bits, group, residual, b, hq, hkv, d, chunks, q_len, mask_kind, sms = case
+        state = _state(case)
+        rows = hq // hkv * q_len
+        rt = row_tile(fmt, rows)
+        n_split, _ = plan(state.length, b * hkv * -(-rows // rt), sms, d, TOKENS_IN_FLIGHT[(fmt, rt)])
+        case_id = (fmt, d, hq, hkv, q_len)
+        if case_id in {("kivi", 128, 8, 2, 1), ("gear", 128, 8, 2, 1), ("kivi", 96, 8, 1, 3)}:
+            assert n_split > 1, case_id
+        if fmt == "gear" and state.k.store.length:
+            assert state.k.store.index is not None and len(state.k.store.runs) >= 2
+
+
+def test_emulation_fails_a_wrong_outlier():
+    """The emulated GEAR path reads the outliers: one changed outlier value changes the output."""
+    case = CASES[6]
+    state = _state(case)
+    query, mask = _query_and_mask(case, state.length)
+    state.k.store.value[0, 0, 0] += 4.0
+    ref = codes_format.attend(state, None, query, mask, 32**-0.5)[0]
+    got = emulate("gear", state, query, mask, 32**-0.5)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=2e-5)
+    state.k.store.value[0, 0, 0] -= 4.0
+    assert not torch.allclose(emulate("gear", state, query, mask, 32**-0.5), ref, atol=1e-4)
+
+
+# ---------------------------------------------------------------- GPU: the kernels against the reference
+
+GPU_CASES = [
+    *CASES,
+    ("kivi", 2, 32, 128, 2, 32, 8, 128, [4000, *[1] * 129], 1, "pad", 0),  # Llama-3 shape, 4129 tokens
+    ("gear", 2, 64, 128, 2, 32, 8, 128, [3000, *[1] * 129], 1, "pad", 0),
+    ("kivi", 8, 32, 64, 1, 16, 2, 64, [900, 1], 1, None, 0),  # 8 rows a KV head: the r8 tile
+]
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c[0]}{c[1]}-d{c[7]}-{c[5]}x{c[6]}-q{c[9]}-{c[10]}")
+def test_kernel_equals_the_reference_on_the_same_state(case, dtype):
+    from kernels_cupy.codes import attend_codes, attend_gear
+
+    fmt, d = case[0], case[7]
+    state = _state(case)
+    state.map_tensors(lambda t: t.cuda())
+    query, mask = _query_and_mask(case, state.length, "cuda")
+    query = query.to(dtype)
+    ref, _ = codes_format.attend(state, None, query.float(), mask, d**-0.5)
+    got, reads = (attend_codes if fmt == "kivi" else attend_gear)(state, None, query, mask, d**-0.5)
+    assert got.dtype == dtype and got.shape == query.shape and reads.k_widths is None
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=5e-6, rtol=5e-5)
+    else:
+        torch.testing.assert_close(got, ref.to(dtype), atol=2e-3, rtol=2e-3)
+
+
+@gpu_test
+def test_kernel_follows_a_growing_gear_store():
+    """Decode steps that add segments and outliers: the cached outliers and runs follow the store."""
+    from kernels_cupy.codes import attend_gear
+
+    state = gear_state(4, 16, 32, 2, 2, 64, [100])
+    state.map_tensors(lambda t: t.cuda())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(70):
+        k, v = (torch.randn(2, 2, 1, 64, device="cuda", generator=gen) for _ in range(2))
+        state.append(k, v, decode=True)
+        query = torch.randn(2, 4, 1, 64, device="cuda", generator=gen)
+        ref, _ = codes_format.attend(state, None, query, None, 0.125)
+        torch.testing.assert_close(attend_gear(state, None, query, None, 0.125)[0], ref, atol=5e-6, rtol=5e-5)
