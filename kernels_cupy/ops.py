@@ -13,16 +13,27 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kernels_cupy.launch import (
+    BLOCK,
+    THREADS,
+    TILE_STRIDE,
+    qk_shared_bytes,
+    qk_split,
+    row_chunks,
+    softmax_shared_bytes,
+    softmax_split,
+    sv_lanes,
+    sv_rows,
+    sv_shared_bytes,
+    sv_split,
+    tiers,
+)
 from kernels_cupy.loader import i32, launch, ptr, shared_memory_budget, sm_count
 from kvquant.errors import InvalidParameterError, KvquantError
 
 if TYPE_CHECKING:
     from kvquant.formats.planes import PlaneStore
 
-BLOCK = 64
-THREADS = 256
-INT_MAX = 2**31 - 1
-TILE_STRIDE = 66  # pack.cu / qk.cu TILE_STRIDE
 FP16_MAX = 65504.0  # kvquant.cache.FP16_MAX (not imported: kvquant.cache needs transformers)
 ALIGN = 16  # bytes: the widest vector load (uint4) any kernel makes from a tensor's start
 
@@ -33,40 +44,12 @@ def check_head_dim(d: int) -> None:
         raise ValueError(f"the AlignedKV kernels support head_dim in 8..256, a multiple of 8; got {d}")
 
 
-def tiers(thresholds: tuple[float, float]) -> tuple[int, int]:
-    """Integer ``(t12, t8)``: an integer gap clears ``t`` exactly when it clears ``ceil(t)``; nothing clears inf."""
-    return tuple(INT_MAX if math.isinf(t) else min(INT_MAX, math.ceil(t)) for t in thresholds)
-
-
 def kernel_arg(t: torch.Tensor | None) -> torch.Tensor | None:
     """Contiguous and 16-byte aligned: a view at an odd offset would fault on the kernels' vector loads."""
     if t is None:
         return None
     t = t.contiguous()
     return t if t.data_ptr() % ALIGN == 0 else t.clone()
-
-
-def row_chunks(rows: int, bytes_per_row: int, fixed_bytes: int, budget: int, what: str) -> list[tuple[int, int]]:
-    """``(row0, n_rows)`` launches covering ``rows`` query rows, as few as fit ``fixed + n·per_row ≤ budget``.
-
-    A ``prefill_aligned`` chunk brings (query heads per KV head) × (tokens) rows, which can exceed
-    one block's shared memory; sizes differ by at most one row, so no launch is a sliver.
-    """
-    fit = (budget - fixed_bytes) // bytes_per_row
-    if fit < 1:
-        raise InvalidParameterError(
-            f"{what} needs {fixed_bytes + bytes_per_row} bytes of shared memory for one query row; "
-            f"the device allows {budget}"
-        )
-    n = math.ceil(rows / fit)
-    base, extra = divmod(rows, n)
-    sizes = [base + 1] * extra + [base] * (n - extra)
-    return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
-
-
-def qk_shared_bytes(d: int) -> tuple[int, int]:
-    """``(per query row, fixed)`` dynamic shared memory of ``qk.cu``."""
-    return d * 4, (2 * d + max(d, THREADS // 32)) * 4 + d * TILE_STRIDE * 2
 
 
 def check_storable(x: torch.Tensor, what: str) -> None:
@@ -157,87 +140,6 @@ def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
         chunk_k = chunk_k[:, :, full:].clone(memory_format=contiguous)
         chunk_v = chunk_v[:, :, full:].clone(memory_format=contiguous)
     store.tail_k, store.tail_v = chunk_k, chunk_v
-
-
-def qk_split(n_units: int, bh: int, sms: int) -> tuple[int, int]:
-    """``(blocks per CTA, CTAs per KV head)`` of a QK launch: about 16 CTAs per SM over all KV heads."""
-    per_cta = max(1, math.ceil(n_units * bh / (sms * 16)))
-    return per_cta, math.ceil(n_units / per_cta)
-
-
-def softmax_split(n_tokens: int, topk: int, rows: int, sms: int) -> tuple[int, int]:
-    """``(tokens per CTA, CTAs per query row)`` of ``softmax_topk``: about 16 CTAs per SM over all ``rows``
-    (batch · KV heads · rows per head), at least 16 strided rows each; a CTA's tokens are whole strided
-    rows of ``topk`` (the top-k partials of a split are residue classes restricted to its tokens)."""
-    stride = topk if topk > 0 else BLOCK
-    n_strided = math.ceil(n_tokens / stride)
-    wanted = max(1, math.ceil(sms * 16 / rows))
-    rows_per_split = max(16, math.ceil(n_strided / wanted))
-    return rows_per_split * stride, math.ceil(n_strided / rows_per_split)
-
-
-def sv_split(n_tokens: int, bh: int, sms: int) -> tuple[int, int]:
-    """``(tokens per CTA, CTAs per KV head)`` of an SV launch: about 4 CTAs per SM over all KV heads, each
-    a multiple of 64 tokens (whole value blocks; every warp's 32-token group inside one) and at least one
-    group per warp."""
-    wanted = max(1, math.ceil(sms * 4 / bh))
-    per_cta = max(THREADS, math.ceil(n_tokens / wanted))
-    per_cta = math.ceil(per_cta / BLOCK) * BLOCK
-    return per_cta, math.ceil(n_tokens / per_cta)
-
-
-def sv_lanes(d: int) -> tuple[int, int]:
-    """``(channels per lane, lanes per token row)`` of ``sv.cu``: 16 channels (a 16-byte load of plane A)
-    where ``d`` is a multiple of 16, else 8; the lanes of a row padded to a power of two."""
-    cpt = 16 if d % 16 == 0 else 8
-    return cpt, 1 << (d // cpt - 1).bit_length()
-
-
-def sv_rows(rows: int) -> int:
-    """Query rows ``sv.cu`` accumulates at once (1, 2 or 4; more rows loop over groups of 4)."""
-    return 1 if rows == 1 else (2 if rows == 2 else 4)
-
-
-def sv_shared_bytes(d: int, rc: int) -> int:
-    return d * 4 + (THREADS // 32) * rc * d * 4
-
-
-def softmax_shared_bytes(topk: int) -> int:
-    return max(THREADS, topk) * 8
-
-
-def merge_softmax_partials(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, l)`` of a row from per-split ``(m_i, l_i)`` ``[..., n, 2]``, in split order as ``softmax.cu``:
-    ``m = max m_i``, ``l = Σ l_i · exp(m_i − m)`` (splits with ``m_i = −inf`` add nothing)."""
-    m_i, l_i = partials[..., 0], partials[..., 1]
-    m = m_i.amax(dim=-1)
-    total = torch.zeros_like(m)
-    finite = m != float("-inf")
-    for i in range(partials.shape[-2]):
-        term = torch.where(m_i[..., i] != float("-inf"), l_i[..., i] * torch.exp(m_i[..., i] - m), 0.0)
-        total = torch.where(finite, total + term, total)
-    return m, total
-
-
-def split_softmax(logits: torch.Tensor, tokens_per_split: int) -> torch.Tensor:
-    """fp32 probabilities from logits ``[..., L]`` as QK and ``softmax.cu`` compute them: per split of
-    ``tokens_per_split`` tokens ``(max, Σ exp(x − max))``, merged by ``merge_softmax_partials``, then
-    ``exp(x − m) / l``; 0 where ``x = −inf`` or the whole row is masked. The CPU check of the merge."""
-    x = logits.float()
-    parts = []
-    for start in range(0, x.shape[-1], tokens_per_split):
-        chunk = x[..., start : start + tokens_per_split]
-        m = chunk.amax(dim=-1)
-        safe = torch.where(m == float("-inf"), 0.0, m)
-        parts.append(torch.stack([m, torch.exp(chunk - safe.unsqueeze(-1)).sum(dim=-1)], dim=-1))
-    m, total = merge_softmax_partials(torch.stack(parts, dim=-2))
-    probs = torch.exp(x - torch.where(m == float("-inf"), 0.0, m).unsqueeze(-1)) / total.unsqueeze(-1)
-    return torch.where((x == float("-inf")) | (m == float("-inf")).unsqueeze(-1), 0.0, probs)
-
-
-def step_launches(rows: int, d: int, budget: int) -> int:
-    """Kernel launches of one ``aligned_attention`` step: QK (one per row chunk), ``softmax_topk``, SV."""
-    return len(row_chunks(rows, *qk_shared_bytes(d), budget, "QKᵀ")) + 2
 
 
 _COUNTERS: dict[int, torch.Tensor] = {}

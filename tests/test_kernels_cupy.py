@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from kernels_cupy import SOURCES, cupy_status
-from kernels_cupy.loader import HEADER, SOURCE_DIR, source_text
-from kernels_cupy.ops import (
+from kernels_cupy.launch import (
     qk_shared_bytes,
     qk_split,
     row_chunks,
@@ -26,6 +25,7 @@ from kernels_cupy.ops import (
     sv_split,
     tiers,
 )
+from kernels_cupy.loader import HEADER, SOURCE_DIR, source_text
 
 GPU_OK, GPU_WHY = cupy_status()
 
@@ -279,7 +279,8 @@ def test_split_softmax_equals_one_pass_softmax(n, span):
     """The split statistics merged by log-sum-exp (QK's per-CTA ``(m, l)``, ``softmax.cu``'s merge) give the
     one-pass softmax within fp32 rounding, with bool masks, additive masks and fully masked rows (0, as
     the reference's ``nan_to_num``)."""
-    from kernels_cupy.ops import merge_softmax_partials, softmax_scores
+    from kernels_cupy.launch import merge_softmax_partials
+    from kernels_cupy.ops import softmax_scores
 
     gen = torch.Generator().manual_seed(n + span)
     logits = torch.randn(3, 2, 2, n, generator=gen) * 4
