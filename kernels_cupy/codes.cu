@@ -127,6 +127,7 @@ __device__ __forceinline__ float b_elem(const Stream& s, const Cursor& c, int b,
 // GEAR: the outliers of token t that fall in this lane's channels, written as value - (A B^T)[t, c].
 __device__ __forceinline__ void patch_outliers(const Stream& s, const Cursor& c, int bh, int b, int h, int t, int D,
                                                int c0, float (&x)[8]) {
+    if (s.row_ptr == nullptr) return;  // GEAR-L: no outliers
     const int* rp = s.row_ptr + (long long)bh * (s.n + 1);
     const int o0 = rp[t], o1 = rp[t + 1];
     for (int o = o0; o < o1; ++o) {
@@ -251,9 +252,11 @@ __device__ __forceinline__ void attend_codes(
                         for (int j = 0; j < rank; ++j) {
                             const float a = a_elem(ks, kc, b, h, t, j);
 #pragma unroll
-                            for (int r = 0; r < RT; ++r)
+                            for (int r = 0; r < RT; ++r) {
+                                if (r >= nrows) break;
                                 lr[r] = fmaf(a, qb[(((long long)bh * qb_segs + sg) * R + row0 + r) * CODES_RANK + j],
                                              lr[r]);
+                            }
                         }
                     }
                 } else if (active) {

@@ -78,7 +78,14 @@ def gear_state(bits, group, residual, b, h, d, chunks, seed=0, ratio=0.02, rank=
 
 
 def state_for(fmt, *args, **kwargs):
+    """``fmt``: kivi, gear, or gear_l (GEAR without outliers, the gear format too)."""
+    if fmt == "gear_l":
+        return gear_state(*args, ratio=0.0, **kwargs)
     return (kivi_state if fmt == "kivi" else gear_state)(*args, **kwargs)
+
+
+def format_of(case) -> str:
+    return "gear" if case[0] == "gear_l" else case[0]
 
 
 def left_padding(b, n, pad):
@@ -270,6 +277,7 @@ CASES = [
     ("gear", 4, 32, 64, 2, 8, 2, 128, [600, *[1] * 70], 1, "pad", 132),  # GQA, 2 splits, left padding
     ("gear", 2, 8, 32, 2, 6, 2, 8, [300, *[1] * 40], 1, "additive", 16),  # head_dim 8, additive mask
     ("gear", 4, 16, 32, 1, 8, 1, 64, [400, 40, *[1] * 30], 2, None, 132),  # 16 rows in 4 tiles, causal, 3 runs
+    ("gear_l", 4, 8, 16, 1, 6, 2, 32, [90, *[1] * 20], 1, None, 132),  # GEAR-L: no outliers, 3 rows of 4
 ]
 
 
@@ -295,7 +303,7 @@ def _state(case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}{c[1]}-d{c[7]}-{c[5]}x{c[6]}-q{c[9]}-{c[10]}")
 def test_emulated_kernel_equals_the_reference(case):
-    fmt, d, sms = case[0], case[7], case[11]
+    fmt, d, sms = format_of(case), case[7], case[11]
     state = _state(case)
     query, mask = _query_and_mask(case, state.length)
     ref = codes_format.attend(state, None, query, mask, d**-0.5)[0]
@@ -308,13 +316,16 @@ def test_the_cases_cover_splits_tiles_and_gear_parts():
         fmt, bits, group, residual, b, hq, hkv, d, chunks, q_len, mask_kind, sms = case
         state = _state(case)
         rows = hq // hkv * q_len
-        rt = row_tile(fmt, rows)
-        n_split, _ = plan(state.length, b * hkv * -(-rows // rt), sms, d, TOKENS_IN_FLIGHT[(fmt, rt)])
+        rt = row_tile(format_of(case), rows)
+        u = TOKENS_IN_FLIGHT[(format_of(case), rt)]
+        n_split, _ = plan(state.length, b * hkv * -(-rows // rt), sms, d, u)
         case_id = (fmt, d, hq, hkv, q_len)
         if case_id in {("kivi", 128, 8, 2, 1), ("gear", 128, 8, 2, 1), ("kivi", 96, 8, 1, 3)}:
             assert n_split > 1, case_id
-        if fmt == "gear" and state.k.store.length:
+        if fmt == "gear":
             assert state.k.store.index is not None and len(state.k.store.runs) >= 2
+        if fmt == "gear_l":
+            assert state.k.store.index is None and state.v.store.runs
 
 
 def test_emulation_fails_a_wrong_outlier():
@@ -346,7 +357,7 @@ GPU_CASES = [
 def test_kernel_equals_the_reference_on_the_same_state(case, dtype):
     from kernels_cupy.codes import attend_codes, attend_gear
 
-    fmt, d = case[0], case[7]
+    fmt, d = format_of(case), case[7]
     state = _state(case)
     state.map_tensors(lambda t: t.cuda())
     query, mask = _query_and_mask(case, state.length, "cuda")
@@ -374,3 +385,15 @@ def test_kernel_follows_a_growing_gear_store():
         query = torch.randn(2, 4, 1, 64, device="cuda", generator=gen)
         ref, _ = codes_format.attend(state, None, query, None, 0.125)
         torch.testing.assert_close(attend_gear(state, None, query, None, 0.125)[0], ref, atol=5e-6, rtol=5e-5)
+
+
+def test_a_prompt_takes_the_torch_reference():
+    """More than ``PROMPT_QUERIES`` query positions: the reference's own path (any device)."""
+    from kernels_cupy.codes import PROMPT_QUERIES, attend_codes
+
+    state = kivi_state(2, 8, 16, 1, 2, 32, [60])
+    query = torch.randn(1, 4, PROMPT_QUERIES + 1, 32)
+    got, reads = attend_codes(state, None, query, None, 32**-0.5)
+    assert torch.equal(got, codes_format.attend(state, None, query, None, 32**-0.5)[0]) and reads.v_widths is None
+    with pytest.raises(ValueError, match="CUDA"):
+        attend_codes(state, None, query[:, :, :1], None, 32**-0.5)
