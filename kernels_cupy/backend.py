@@ -1,8 +1,11 @@
-"""The CuPy kernels as a kvquant backend for bit planes (imported by ``kvquant.backends`` on demand).
+"""The CuPy kernels as a kvquant backend (imported by ``kvquant.backends`` on demand).
 
-``attend(state, rule, query, mask, scaling)`` runs AlignedKV's step on the GPU (``kernels_cupy.ops``)
-over a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``; ``STATES`` gives layers the plane
-store whose appends run the pack kernel.
+``attend(state, rule, query, mask, scaling)`` runs AlignedKV's step on the GPU (``kernels_cupy.ops``) over
+a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``, and KIVI's and GEAR's decode attention over
+their codes (``kernels_cupy.codes``); ``STATES`` gives layers the plane store whose appends run the pack
+kernel. ``auto`` does not pick these kernels (``Backend.auto`` False) until ``scripts/gpu_check.sh`` has
+passed on a GPU with them: this round's rewrite and the code kernels have not run on one yet, so
+``backend=cupy`` is an explicit choice.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kernels_cupy import codes
 from kernels_cupy.loader import cupy_status
 from kernels_cupy.store import KernelPlaneStore
 from kvquant.backends import Backend, register_backend
@@ -25,7 +29,9 @@ BLOCK_RULE_V_BLOCKS = (32, 64)  # the block rule's v_block here: whole warps of 
 def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     """What of a model or rule these kernels lack: logit soft-capping, sliding windows, the paper's value
     rule per block (``v_block`` > 1 with ``value_rule`` token), and the block rule's ``v_block`` other than
-    32 or 64."""
+    32 or 64; the code kernels' own (``kernels_cupy.codes.limits``)."""
+    if fmt in ("kivi", "gear"):
+        return codes.limits(fmt, geometry, rule)
     missing = []
     if geometry.softcap is not None:
         missing.append(f"attention-logit soft-capping ({geometry.softcap})")
@@ -40,9 +46,9 @@ def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     return missing
 
 
-def attend(store: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:
-    """The backend protocol: K widths, QKᵀ, softmax, V widths and SV on the GPU in three launches; a
-    multi-token step without a mask is causal, spelled out for the kernels."""
+def attend_planes(store: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:
+    """K widths, QKᵀ, softmax, V widths and SV on the GPU in three launches; a multi-token step without a
+    mask is causal, spelled out for the kernels."""
     from kernels_cupy.ops import aligned_attention
 
     value_rule = getattr(rule, "value_rule", "token")
@@ -57,4 +63,12 @@ def attend(store: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> 
     return out.to(query.dtype), Reads(wk, wv)
 
 
-register_backend(Backend("cupy", "cuda", frozenset({"planes"}), cupy_status, "kernels_cupy.backend", limits))
+ATTEND = {"planes": attend_planes, "kivi": codes.attend_codes, "gear": codes.attend_gear}
+
+
+def attend(state: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:
+    """The backend protocol (``kvquant.backends.Backend.attend``): the kernels of ``state``'s format."""
+    return ATTEND[state.format](state, rule, query, mask, scaling)
+
+
+register_backend(Backend("cupy", "cuda", frozenset(ATTEND), cupy_status, "kernels_cupy.backend", limits, auto=False))

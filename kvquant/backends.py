@@ -169,6 +169,10 @@ def resolve_backend(
     device_type = torch.device(device).type if device is not None else "cpu"
     name = auto_candidate(device_type) if requested == "auto" else requested
     if name is None:
+        opt_in = sorted(b.name for b in _BACKENDS.values() if b.device_type == device_type and not b.auto)
+        if opt_in:
+            choice = " or ".join(f"method.backend={name}" for name in opt_in)
+            warn_once(f"warning: backend=auto uses torch on {device_type}: its kernels are opt-in there ({choice})")
         return TORCH
     why = _why_unusable(name, device_type, fmt)
     if why is not None:

@@ -90,3 +90,14 @@ def test_every_cpu_kernel_attends_as_the_torch_reference_on_the_same_state(stori
         torch.testing.assert_close(got.float(), want.float(), **tol)
         for mine, theirs in ((reads.k_widths, want_reads.k_widths), (reads.v_widths, want_reads.v_widths)):
             assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs))
+
+
+def test_auto_passes_over_an_opt_in_backend_with_one_line(capsys, monkeypatch):
+    """CuPy's kernels are opt-in (``auto=False``) until validated on a GPU: ``auto`` on CUDA is the torch
+    reference, said once; naming ``cupy`` still selects it where it can run."""
+    monkeypatch.setattr("kvquant.backends._WARNED", set())
+    assert get_backend("cupy").auto is False
+    assert select_backend("auto", "cuda", "kivi") == "torch"
+    select_backend("auto", "cuda", "planes")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["warning: backend=auto uses torch on cuda: its kernels are opt-in there (method.backend=cupy)"]
