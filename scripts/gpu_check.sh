@@ -62,7 +62,7 @@ cat "$OUT_DIR/device.txt"
 # 2. Tests (<= 300 s): every gpu-marked test of the kernels (first use compiles the modules). The
 # verdict is read from the JUnit report, so a skip counts against the check whatever pytest exits.
 rm -f "$OUT_DIR/tests.xml"
-timeout 300 "$PY" -m pytest tests/test_kernels_cupy.py -m gpu -q -rs -p no:cacheprovider \
+timeout 300 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py -m gpu -q -rs -p no:cacheprovider \
   --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log"
 test_status=${PIPESTATUS[0]}
 if [ -s "$OUT_DIR/tests.xml" ]; then
