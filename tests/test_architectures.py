@@ -54,6 +54,9 @@ INF = (float("inf"), float("inf"))
 NEEDS_PREDICTORS = ("aquakv", "aquakv_k_only", "aquakv_v_only")
 LOSSY = ("kivi", "gear", "higgs", "aquakv")  # compress what they store
 READ_LESS = ("alignedkv", "truncation")  # store fp16, read fewer bits
+# The block rule's bound is per 32 tokens: on these tiny random layouts (a few dozen tokens, near-uniform
+# attention) it reads every element at 16 bits plus its exponent bytes; stories260k's test reads fewer.
+SAVES_NOTHING_HERE = ("alignedkv_block",)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,6 +190,9 @@ def test_every_method_runs(layout, name):
     tokens, logits, cache = run(layout, name)
     assert tokens.shape == (1, PROMPT + NEW) and bool(torch.isfinite(logits).all())
     stats = cache.stats()
+    if name in SAVES_NOTHING_HERE:
+        assert stats["bits_read"] < 16.5 and stats["bits_stored"] > 16  # every element, plus its metadata
+        return
     if name != "fp16":
         assert min(stats["bits_stored"], stats["bits_read"]) < 16
     if family(name, LOSSY):

@@ -14,7 +14,7 @@ from experiments.table_tasks import PUBLISHED, PUBLISHED_SOURCE, render
 GRID = [
     "experiment=table_tasks",
     "~experiment.methods",
-    "+experiment.methods={fp16:{},kivi2:{group_size:8,residual:32},truncation:{keep_bits:11},aquakv:{}}",
+    "+experiment.methods={fp16:{backend:torch},kivi2:{group_size:8,residual:32},truncation:{keep_bits:11},aquakv:{}}",
     "~experiment.tasks",
     "+experiment.tasks={coqa:{limit:1},gsm8k:{limit:1,max_gen_toks:12},truthfulqa_mc2:{limit:2},"
     "wikitext:{limit:2,window:160}}",
