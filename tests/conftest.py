@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -209,17 +210,125 @@ def load_script(name: str):
 
 
 def run_py(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 600, drop_env=()):
-    """``python run.py *args`` in a subprocess from ``cwd``, offline, W&B off unless ``env`` says otherwise."""
+    """``python run.py *args`` in its own process from ``cwd``, offline, W&B off unless ``env`` says otherwise.
+
+    The process is forked from this test process where that is the same as a fresh interpreter
+    (``forks_like_a_fresh_interpreter``): run.py's imports (torch, transformers: ~11 s of CPU each time,
+    most of what an error-path test costs) are then already done. ``KVQUANT_TEST_FRESH_INTERPRETER=1``
+    starts a new interpreter every time."""
     base = {k: v for k, v in os.environ.items() if k not in drop_env}
     full_env = {**base, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", **(env or {})}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "run.py"), *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    argv = [sys.executable, str(ROOT / "run.py"), *args]
+    if forks_like_a_fresh_interpreter(full_env):
+        return forked_run_py(argv, cwd, full_env, timeout)
+    return subprocess.run(argv, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+# The interpreter's warning set-up, before pytest records warnings per test (a forked run.py shows them).
+START_WARNINGS = (list(warnings.filters), warnings._showwarnmsg_impl, warnings.showwarning)
+
+# What a process reads once, when it starts or first imports a library: a child that needs other values
+# than this process was started with must be a new interpreter.
+READ_AT_START = ("PYTHON", "MKL_", "KMP_", "OMP_", "OPENBLAS", "HF_", "TRANSFORMERS_", "TORCH", "CUDA", "LD_")
+
+
+def forks_like_a_fresh_interpreter(env: dict[str, str]) -> bool:
+    """A fork of this process runs run.py as ``python run.py`` would: POSIX, not asked otherwise, W&B
+    disabled (its service process is started per interpreter), no variable read at start-up changed
+    (``OMP_NUM_THREADS`` aside: the child sets torch's threads to it) and torch's thread pool not yet
+    started here (one thread: an OpenMP pool does not survive a fork)."""
+    if not hasattr(os, "fork") or os.environ.get("KVQUANT_TEST_FRESH_INTERPRETER") == "1":
+        return False
+    if env.get("WANDB_MODE") != "disabled" or not env.get("OMP_NUM_THREADS", "").isdigit():
+        return False
+    changed = {k for k in set(env) ^ set(os.environ) | {k for k in env if env[k] != os.environ.get(k)}}
+    if any(k.startswith(READ_AT_START) for k in changed - {"OMP_NUM_THREADS"}):
+        return False
+    return "torch" not in sys.modules or sys.modules["torch"].get_num_threads() == 1
+
+
+def forked_run_py(argv: list[str], cwd: Path, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True)`` for run.py, by ``os.fork`` (see ``run_py``):
+    the child gets ``env``, ``cwd``, ``sys.argv``, file descriptors 1 and 2 on files, cleared per-process
+    caches, and exits as the interpreter would (``sys.exit`` codes, a traceback and 1 on an exception)."""
+    import signal
+    import tempfile
+    import time
+
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            code = _child_runs_run_py(argv, cwd, env, out, err)
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(argv, timeout)
+        time.sleep(0.05)
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read().decode("utf-8", errors="replace"))
+        f.close()
+    return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status), texts[0], texts[1])
+
+
+def _child_runs_run_py(argv: list[str], cwd: Path, env: dict[str, str], out, err) -> int:
+    import io
+    import logging
+    import runpy
+    import traceback
+
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", line_buffering=True)
+    code = 1
+    try:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+        for name, module in list(sys.modules.items()):  # what a new interpreter has not computed yet
+            if name.split(".")[0] in ("kvquant", "experiments", "kernels_cpu", "kernels_cupy"):
+                for value in list(vars(module).values()):
+                    if callable(getattr(value, "cache_clear", None)):
+                        value.cache_clear()
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+        logging.getLogger().handlers.clear()
+        warnings.filters[:], warnings._showwarnmsg_impl, warnings.showwarning = START_WARNINGS
+        warnings._filters_mutated()
+        from transformers.utils import logging as hf_logging
+
+        for once in (hf_logging.warning_once, hf_logging.info_once):
+            once.cache_clear()
+        sys.argv = argv[1:]
+        sys.path.insert(0, str(ROOT))
+        runpy.run_path(argv[1], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
 
 
 def run_experiment(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> Path:
