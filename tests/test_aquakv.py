@@ -430,6 +430,7 @@ def compare_handed(got, ref, true, from_codes):
     return flipped.tolist()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("chunks", [(150, 1, 1, 1), (40, 40, 40, 30, 1, 1), (7,) * 22])
 @pytest.mark.parametrize(
     ("windows", "predicts"),
