@@ -241,7 +241,7 @@ def forks_like_a_fresh_interpreter(env: dict[str, str]) -> bool:
         return False
     if env.get("WANDB_MODE") != "disabled" or not env.get("OMP_NUM_THREADS", "").isdigit():
         return False
-    changed = {k for k in set(env) ^ set(os.environ) | {k for k in env if env[k] != os.environ.get(k)}}
+    changed = (set(env) ^ set(os.environ)) | {k for k in env if env[k] != os.environ.get(k)}
     if any(k.startswith(READ_AT_START) for k in changed - {"OMP_NUM_THREADS"}):
         return False
     return "torch" not in sys.modules or sys.modules["torch"].get_num_threads() == 1
