@@ -49,8 +49,10 @@ def cache_root() -> Path:
     env = os.environ.get("KVQUANT_CACHE_DIR")
     if env:
         return Path(env).expanduser()
-    import platformdirs
-
+    try:
+        import platformdirs
+    except ImportError:  # a bare GPU machine: kvquant.models.user_cache_root's folder (platformdirs' on Linux)
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvquant"
     return Path(platformdirs.user_cache_dir("kvquant"))
 
 

@@ -4,7 +4,7 @@ import csv
 import json
 
 import pytest
-from conftest import run_experiment
+from conftest import run_experiment, run_py
 
 from experiments.figures import check_agrees, read_table
 
@@ -50,3 +50,49 @@ def test_latency_rows_and_ratios(tmp_path):
     assert experiment["shape_labels"] == {"smollm2_135m": "smollm2_135m shape (9q/3kv×64)"}
     assert experiment["copy_gb_per_s"] > 0 and experiment["cpu"]
     assert (fig / "fig_latency.png").stat().st_size > 10_000 and (fig / "fig_latency.pdf").is_file()
+
+
+def test_whole_steps_and_batches_beside_the_attention_rows(tmp_path):
+    """Whole decode steps on a random-weight model of stories260k's layout and attention cells of 2
+    sequences: each with its own fp16 and DynamicCache baseline, bits read over every layer."""
+    fig = run_experiment(
+        tmp_path,
+        "experiment=fig_latency",
+        "experiment.shapes=[smollm2_135m]",
+        "experiment.contexts.smollm2_135m=[160]",
+        "experiment.batches=[1,2]",
+        "experiment.step_layouts=[stories260k]",
+        "experiment.step_contexts=[200]",
+        "experiment.step_layers=2",
+        "experiment.repeats=1",
+        "experiment.backend=torch",
+        "experiment.methods=[truncation,kivi2]",
+        "experiment.v_blocks=[]",
+    )
+    rows = list(csv.DictReader(open(fig / "fig_latency.csv")))
+    methods = ("fp16", "truncation", "kivi2", "hf_dynamic")
+    assert [(r["kind"], r["batch"], r["context"], r["method"]) for r in rows] == [
+        (kind, b, c, m) for kind, c in (("attention", "160"), ("step", "200")) for b in ("1", "2") for m in methods
+    ]
+    by = {(r["kind"], r["batch"], r["method"]): r for r in rows}
+    for kind, b in (("attention", "1"), ("attention", "2"), ("step", "1"), ("step", "2")):
+        assert float(by[kind, b, "fp16"]["ratio_to_fp16"]) == 1.0
+        assert float(by[kind, b, "fp16"]["bits_read"]) == 16.0 and float(by[kind, b, "truncation"]["bits_read"]) == 13.0
+    # K and V of every layer (2 of them) and sequence: 4 KV heads x 8 channels x 200 tokens, 2 bytes each
+    assert float(by["step", "2", "fp16"]["mb_read"]) == pytest.approx(2 * 2 * 2 * 4 * 8 * 200 * 2 / 1e6)
+    assert float(by["attention", "2", "fp16"]["mb_read"]) == pytest.approx(2 * 2 * 3 * 64 * 160 * 2 / 1e6)
+    assert float(by["step", "1", "hf_dynamic"]["bits_read"]) == 32.0  # the model's fp32 on a CPU
+    results = json.loads(next((tmp_path / "out").rglob("results.json")).read_text())
+    check_agrees(read_table(fig / "fig_latency.csv"), results["table"], "fig_latency")
+    assert results["experiment"]["layout_labels"] == {
+        "stories260k": "whole decode step, stories260k layout (2 layers, random weights)"
+    }
+    assert (fig / "fig_latency.png").stat().st_size > 10_000
+
+
+def test_an_unknown_layout_is_named_with_the_valid_ones(tmp_path):
+    proc = run_py(
+        tmp_path, "experiment=fig_latency", "model=stories260k", "logger=none", "experiment.step_layouts=[llama9]"
+    )
+    assert proc.returncode != 0
+    assert "unknown experiment.step_layouts ['llama9']; valid: stories260k, smollm2_135m" in proc.stderr

@@ -18,7 +18,7 @@ def test_frontier_writes_csv_and_plot(tmp_path):
         "experiment.new_tokens=6",
         "experiment.keep=[9,16]",
         "experiment.margins=[0,2]",
-        "experiment.v_blocks=[1,64]",
+        "experiment.v_blocks={alignedkv:[1,64],alignedkv_plus:[1,64],alignedkv_block:[16,64]}",
     )
     rows = {r["label"]: r for r in csv.DictReader(open(fig / "frontier_alignedkv.csv"))}
     assert set(rows) == {
@@ -32,6 +32,10 @@ def test_frontier_writes_csv_and_plot(tmp_path):
         "alignedkv v_block=64",
         "alignedkv_plus v_block=1",
         "alignedkv_plus v_block=64",
+        "alignedkv_block margin=0",
+        "alignedkv_block margin=2",
+        "alignedkv_block v_block=16",
+        "alignedkv_block v_block=64",
     }
     for rule in ("alignedkv", "alignedkv_plus"):  # v_block=1 is margin=0, computed once
         paper, block = rows[f"{rule} v_block=1"], rows[f"{rule} v_block=64"]
@@ -41,6 +45,12 @@ def test_frontier_writes_csv_and_plot(tmp_path):
         assert paper["rule"] == block["rule"] == f"{rule} v_block" and float(block["v_block"]) == 64
         assert float(paper["bits_read_v"]) < float(block["bits_read_v"]) < 16.5
         assert float(paper["bits_read_k"]) == float(block["bits_read_k"]) or rule == "alignedkv_plus"
+    paper, bound = rows["alignedkv margin=0"], rows["alignedkv_block margin=0"]  # the block rule's default v_block 32
+    assert float(bound["v_block"]) == 32 and float(bound["bits_read_k"]) == float(paper["bits_read_k"])
+    for label in ("alignedkv_block margin=0", "alignedkv_block v_block=16", "alignedkv_block v_block=64"):
+        # every token of a block reads at least the paper rule's bits (measured here: more, on every row)
+        assert float(paper["bits_read_v"]) < float(rows[label]["bits_read_v"]) <= 16.5, label
+    assert rows["alignedkv_block v_block=16"]["rule"] == "alignedkv_block v_block"
     assert rows["truncation keep=9"]["v_block"] == "" and float(rows["alignedkv margin=2"]["v_block"]) == 1
     full = rows["truncation keep=16"]
     assert float(full["kl"]) == 0.0 and float(full["greedy_match"]) == 1.0 and float(full["qk =0"]) == 1.0

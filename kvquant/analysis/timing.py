@@ -1,4 +1,5 @@
-"""Time of the KV part of one decode step, on the cache a user gets: store the new token, read, attend.
+"""Time of one decode step on the cache a user gets: its KV part alone (store the new token, read,
+attend: ``decode_step_time``), or a whole model's step (``model_step_time``).
 
 Each method's cache is built through its own ``new_cache`` (so on the backend its ``backend``
 parameter resolves to: the C++ kernels, CuPy or the torch reference) for a one-layer model of the
@@ -10,7 +11,12 @@ reference.
 
 Synthetic K/V: keys have per-channel scales drawn log-normally plus a few outlier channels (as real
 keys do — it is what AlignedKV's key rule and KIVI's per-channel groups respond to), values are
-Gaussian; seeded, so every method reads the same tensors.
+Gaussian; seeded, so every method reads the same tensors. ``batch`` sequences are timed together.
+
+``model_step_time``: a random-weight model of a hub model's layout (``LAYOUTS``: its config.json's
+sizes, no weights downloaded; fp16 on a GPU, fp32 on a CPU, as the models run), every layer's cache
+filled with synthetic K/V untimed, then one token per sequence through the whole model, timed: what a
+user's decode step costs, weights and all, against ``DynamicCache`` on the same model.
 """
 
 from __future__ import annotations
@@ -34,6 +40,48 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
     "stories260k": (8, 4, 8),
 }
 HF_DYNAMIC = "hf_dynamic"
+LAYOUTS = {  # name: LlamaConfig sizes of the hub model (RoPE without scaling: time does not depend on it)
+    "stories260k": {
+        "hidden_size": 64,
+        "intermediate_size": 172,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 8,
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+    },
+    "smollm2_135m": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    },
+    "llama2_7b": {
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
+    "llama3.1_8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -65,14 +113,37 @@ def shape_model(shape: str, device: str = "cpu") -> Any:
     return LlamaForCausalLM(config).eval().to(device)
 
 
-def synthetic_kv(shape: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys ``[1, Hkv, n, D]`` with log-normal channel scales and 2 outlier channels per head; values Gaussian."""
-    _, hkv, d = SHAPES[shape]
+@functools.cache
+def layout_model(layout: str, device: str = "cpu", layers: int = 0) -> Any:
+    """A random-weight Llama of the hub model ``layout`` (``LAYOUTS``; ``layers`` > 0 keeps that many
+    layers), built on ``device`` in the dtype it runs in there (fp16 on a GPU, fp32 on a CPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = dict(LAYOUTS[layout])
+    if layers:
+        sizes["num_hidden_layers"] = int(layers)
+    config = LlamaConfig(**sizes, max_position_embeddings=1 << 17)
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def kv_geometry(shape: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of an attention shape or a layout."""
+    if shape in SHAPES:
+        return SHAPES[shape]
+    sizes = LAYOUTS[shape]
+    return sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"]
+
+
+def synthetic_kv(shape: str, n: int, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[batch, Hkv, n, D]`` with log-normal channel scales and 2 outlier channels per head; values Gaussian."""
+    _, hkv, d = kv_geometry(shape)
     gen = torch.Generator().manual_seed(seed)
     scale = torch.exp(0.6 * torch.randn(1, hkv, 1, d, generator=gen))
     scale[..., torch.randint(0, d, (2,), generator=gen)] *= 8.0
-    keys = torch.randn(1, hkv, n, d, generator=gen) * scale + 0.5 * scale
-    return keys, torch.randn(1, hkv, n, d, generator=gen)
+    keys = torch.randn(batch, hkv, n, d, generator=gen) * scale + 0.5 * scale
+    return keys, torch.randn(batch, hkv, n, d, generator=gen)
 
 
 def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
@@ -107,7 +178,14 @@ def _bits(counts) -> tuple[float, int]:
 
 
 def decode_step_time(
-    method: Any, shape: str, context: int, repeats: int = 5, warmup: int = 2, seed: int = 0, device: str = "cpu"
+    method: Any,
+    shape: str,
+    context: int,
+    repeats: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    device: str = "cpu",
+    batch: int = 1,
 ) -> StepTime:
     """One decode step's KV work at ``context`` tokens through ``method``'s cache (None: ``DynamicCache``)."""
     from transformers import DynamicCache
@@ -116,8 +194,8 @@ def decode_step_time(
     model = shape_model(shape, device)
     if context < warmup + 2:
         raise ValueError(f"context must be >= {warmup + 2}, got {context}")
-    keys, values = (t.to(device) for t in synthetic_kv(shape, context + repeats, seed))
-    query = torch.randn(1, hq, 1, d, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    keys, values = (t.to(device) for t in synthetic_kv(shape, context + repeats, seed, batch))
+    query = torch.randn(batch, hq, 1, d, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     module = model.model.layers[0].self_attn
     scaling = d**-0.5
     scope = method.attach(model) if method is not None else contextlib.nullcontext()
@@ -147,5 +225,64 @@ def decode_step_time(
                     bits, elements = bits + after[0] - before[0], elements + after[1] - before[1]
                 else:  # fp32 K and V, all of them
                     bits, elements = bits + 32.0 * 2 * k.numel(), elements + 2 * k.numel()
+    backend = getattr(cache, "backend", None) or "torch"
+    return StepTime(statistics.median(times), bits / max(elements, 1), bits / 8 / repeats, backend)
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def model_step_time(
+    method: Any,
+    layout: str,
+    context: int,
+    repeats: int = 5,
+    warmup: int = 2,
+    seed: int = 0,
+    device: str = "cpu",
+    batch: int = 1,
+    layers: int = 0,
+) -> StepTime:
+    """One whole decode step (one token per sequence through every layer) at ``context`` tokens, on a
+    random-weight model of ``layout`` with ``method``'s cache (None: ``DynamicCache``); ``bits_read`` and
+    ``bytes_read`` over every layer's K/V."""
+    from transformers import DynamicCache
+
+    model = layout_model(layout, device, layers)
+    if context < warmup + 2:
+        raise ValueError(f"context must be >= {warmup + 2}, got {context}")
+    dtype = next(model.parameters()).dtype
+    fill = context - 1 - warmup  # so the first timed step leaves exactly ``context`` tokens held
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, model.config.vocab_size, (warmup + repeats, batch, 1), generator=gen).to(device)
+    scope = method.attach(model) if method is not None else contextlib.nullcontext()
+    with scope:
+        cache = method.new_cache(model) if method is not None else DynamicCache(config=model.config)
+        for i, layer in enumerate(cache.layers):  # untimed: each layer its own synthetic history
+            keys, values = synthetic_kv(layout, fill, seed + i, batch)
+            layer.update(keys.to(device, dtype), values.to(device, dtype))
+        times, bits, elements = [], 0.0, 0
+        for i in range(warmup + repeats):
+            t = fill + i
+            before = [_bits(layer.counts()) for layer in cache.layers] if method is not None else []
+            position = torch.full((batch, 1), t, device=device)
+            _sync(device)
+            start = time.perf_counter()
+            model(input_ids=ids[i], past_key_values=cache, position_ids=position, use_cache=True)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if i < warmup:
+                continue
+            times.append(elapsed)
+            if method is not None:
+                for layer, (b0, n0) in zip(cache.layers, before, strict=True):
+                    b1, n1 = _bits(layer.counts())
+                    bits, elements = bits + b1 - b0, elements + n1 - n0
+            else:  # every K and V element, at the model's width
+                n = 2 * sum(layer.keys.numel() for layer in cache.layers)
+                bits, elements = bits + 8.0 * dtype.itemsize * n, elements + n
     backend = getattr(cache, "backend", None) or "torch"
     return StepTime(statistics.median(times), bits / max(elements, 1), bits / 8 / repeats, backend)

@@ -46,7 +46,8 @@ def greedy_decode(
     """
     device = model.device
     t0 = time.perf_counter()
-    logits = model(input_ids=prompt.to(device).view(1, -1), past_key_values=cache, use_cache=True).logits[0, -1]
+    ids = prompt.to(device).view(1, -1)  # the prompt's last logits only: no [n, vocab] tensor for a long prompt
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     t1 = time.perf_counter()
     tokens, logprobs = [], []
     for i in range(max_new_tokens):

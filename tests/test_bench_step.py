@@ -1,0 +1,47 @@
+"""``scripts/bench_step.py``: whole decode steps on a random-weight model of a layout, a row per method
+beside DynamicCache's (timing itself is never asserted: benchmarks report ratios measured in one run)."""
+
+import importlib.util
+
+import pytest
+from conftest import ROOT
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "scripts" / "bench_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rows_per_cell_with_ratios_to_dynamic_cache_and_fp16(capsys, tmp_path):
+    out = tmp_path / "step.md"
+    args = ["--layout", "stories260k", "--contexts", "64,200", "--batches", "2", "--layers", "2"]
+    assert load_script().main([*args, "--methods", "fp16,truncation,kivi2", "--repeats", "1", "--out", str(out)]) == 0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()[4:]]
+    assert [(r[2], r[3]) for r in rows] == [
+        (c, m) for c in ("64", "200") for m in ("DynamicCache", "fp16", "truncation", "kivi2")
+    ]
+    for row in rows:
+        assert row[0] == "stories260k" and row[1] == "2" and float(row[5]) > 0
+        if row[3] == "DynamicCache":
+            assert float(row[6]) == 1.0 and row[7] == row[8] == ""
+        else:
+            assert float(row[6]) > 0 and float(row[7]) > 0
+    bits = {(r[2], r[3]): float(r[8]) for r in rows if r[3] != "DynamicCache"}
+    assert bits["64", "fp16"] == 16.0 and bits["200", "truncation"] == 13.0
+    assert bits["200", "kivi2"] < 16.0  # 200 tokens: beyond KIVI's fp16 window of 128
+    assert "device: CPU" in out.read_text().splitlines()[0] and "layout stories260k" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layout", "llama9"], "error: unknown layout 'llama9'; valid: stories260k, smollm2_135m"),
+        (["--layout", "stories260k", "--methods", "fp16,kivi9"], "error: "),
+    ],
+)
+def test_bad_names_exit_2_with_one_line(capsys, args, message):
+    assert load_script().main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
