@@ -7,6 +7,7 @@ Bytes are measured from the tensors a layer actually holds, never from a formula
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,15 +165,66 @@ class KVGeometry:
         return self.sliding_window if self.is_sliding(layer_idx) else None
 
 
-def to_fp16_checked(x: torch.Tensor, layer_idx: int | None, what: str) -> torch.Tensor:
-    """Cast K or V to fp16, refusing NaN and values outside fp16's range instead of storing inf."""
+def fp16_range_error(layer_idx: int | None, what: str, n_bad: int, n_nan: int) -> str | None:
+    """The one line for ``n_bad`` K or V values fp16 cannot hold (None when there are none)."""
+    if not n_bad:
+        return None
+    return (
+        f"layer {layer_idx}: {n_bad} {what} values are NaN/inf or outside fp16's range "
+        f"(±{FP16_MAX:g}; {n_nan} NaN) and cannot be stored as fp16"
+    )
+
+
+class FiniteCheck:
+    """Where a cache's refusals of NaN/inf K/V are read. A CPU tensor is checked at once. A GPU tensor's
+    verdict stays on the device and is read when the next step begins (the update of a lower layer than
+    the last one checked), at ``counts()`` or ``settle()``: one host sync a step instead of one a layer
+    (each sync drains the GPU's queue, so the launches of the next layer no longer overlap the work of
+    this one). The error then comes one step late, naming the layer that received the values.
+    ``deferred`` forces either way (tests); None decides by the tensor's device."""
+
+    MAX_PENDING = 4096  # verdicts held before they are read anyway (a one-layer model never wraps around)
+
+    def __init__(self, deferred: bool | None = None) -> None:
+        self.deferred = deferred
+        self.pending: list[tuple[int, torch.Tensor, Callable[..., str | None], type[Exception]]] = []
+
+    def defers(self, x: torch.Tensor) -> bool:
+        return self.deferred if self.deferred is not None else x.device.type != "cpu"
+
+    def defer(
+        self, layer_idx: int | None, verdict: torch.Tensor, describe: Callable[..., str | None], error: type[Exception]
+    ) -> None:
+        """Keep ``verdict`` (a small integer tensor, on the device) until it is read; ``describe(*verdict)``
+        gives the error's line, or None when the values were fine."""
+        index = -1 if layer_idx is None else layer_idx
+        if self.pending and (index < self.pending[-1][0] or len(self.pending) >= self.MAX_PENDING):
+            self.settle()
+        self.pending.append((index, verdict, describe, error))
+
+    def settle(self) -> None:
+        """Read every held verdict (one sync) and raise the first refusal."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        values = torch.stack([verdict.to(torch.int64) for _, verdict, _, _ in pending]).tolist()
+        for (_, _, describe, error), value in zip(pending, values, strict=True):
+            message = describe(*value)
+            if message is not None:
+                raise error(f"{message} (found after the step that received them)")
+
+
+def to_fp16_checked(
+    x: torch.Tensor, layer_idx: int | None, what: str, check: FiniteCheck | None = None
+) -> torch.Tensor:
+    """Cast K or V to fp16, refusing NaN and values outside fp16's range instead of storing inf (at once,
+    or where ``check`` defers it, when the next step begins)."""
     bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)
-    if bool(bad.any()):
-        n_nan = int(torch.isnan(x).sum())
-        raise KvquantError(
-            f"layer {layer_idx}: {int(bad.sum())} {what} values are NaN/inf or outside fp16's range "
-            f"(±{FP16_MAX:g}; {n_nan} NaN) and cannot be stored as fp16"
-        )
+    if check is not None and check.defers(x):
+        describe = functools.partial(fp16_range_error, layer_idx, what)
+        check.defer(layer_idx, torch.stack((bad.sum(), torch.isnan(x).sum())), describe, KvquantError)
+    elif bool(bad.any()):
+        raise KvquantError(fp16_range_error(layer_idx, what, int(bad.sum()), int(torch.isnan(x).sum())))
     return x.to(torch.float16)
 
 
@@ -206,6 +258,7 @@ class KVLayer(DynamicLayer):
         self.window, self.is_sliding = window, window is not None  # ``KVGeometry.window(layer_idx)``
         self.backend, self.rule = backend, rule
         self.seen = 0  # tokens received so far; a sliding layer holds fewer
+        self.finite = FiniteCheck()  # where NaN/inf refusals are read (its cache shares one across layers)
         self._reads = CacheCounts()
         self._attend_len = 0  # keys this step's attention reads (the placeholders' length)
 
@@ -347,8 +400,12 @@ class KVCache(Cache):
 
     def __init__(self, layers: list[KVLayer]):
         super().__init__(layers=layers)
+        self.finite = FiniteCheck()
+        for layer in layers:
+            layer.finite = self.finite
 
     def counts(self) -> CacheCounts:
+        self.finite.settle()
         total = CacheCounts()
         for layer in self.layers:
             total = total + layer.counts()

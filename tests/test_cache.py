@@ -169,3 +169,63 @@ def test_prompt_lookup_decoding_runs_with_every_method(stories, predictor_root, 
     assert lookup.shape[1] == plain.shape[1] == ids.shape[1] + 48
     if name in EQUAL_WITH_LOOKUP:
         assert torch.equal(lookup, plain)
+
+
+@pytest.mark.parametrize("name", ["fp16", "kivi2", "alignedkv", "aquakv"])
+def test_a_gpu_cache_reads_its_finite_checks_once_a_step_and_names_the_layer(
+    stories, predictor_root, monkeypatch, name
+):
+    """Deferred as on a GPU (``FiniteCheck``): a non-finite value passes its own update unremarked and is
+    refused, naming the layer, when the next step begins (its first layer's update) or counts are read."""
+    from kvquant.errors import KvquantError
+
+    model, tok = stories
+    monkeypatch.setenv("KVQUANT_PREDICTOR_DIR", str(predictor_root(model, tok)))
+    kwargs = {"group_size": 8} if name == "kivi2" else {}
+
+    def fresh():
+        cache = get_method(name, backend="torch", **kwargs).new_cache(model)
+        assert all(layer.finite is cache.finite for layer in cache.layers)  # one check per cache
+        cache.finite.deferred = True
+        return cache
+
+    def step(cache, n: int, bad_layer: int | None = None) -> None:
+        for i in range(len(cache.layers)):
+            k, v = torch.randn(1, 4, n, 8), torch.randn(1, 4, n, 8)
+            if i == bad_layer:
+                v[0, 2, -1, 5] = float("nan")
+            cache.update(k, v, i)
+
+    found = "values.* \\(found after the step that received them\\)"
+    cache = fresh()
+    step(cache, 200)
+    step(cache, 1, bad_layer=3)  # received, not yet read: no sync in this step
+    assert len(cache.finite.pending) == len(cache.layers) * (1 if name in ("kivi2",) else 2)
+    with pytest.raises(KvquantError, match=f"layer 3.*{found}"):
+        cache.update(torch.randn(1, 4, 1, 8), torch.randn(1, 4, 1, 8), 0)  # the next step's first layer
+    cache = fresh()
+    step(cache, 200, bad_layer=2)
+    with pytest.raises(KvquantError, match=f"layer 2.*{found}"):
+        cache.counts()
+    cache = fresh()
+    step(cache, 200)
+    step(cache, 1)
+    assert cache.stats()["bits_read"] > 0 and cache.finite.pending == []
+
+
+def test_a_cpu_cache_refuses_at_once_and_a_one_layer_cache_reads_its_checks_in_batches():
+    from kvquant.cache import FiniteCheck, to_fp16_checked
+    from kvquant.errors import KvquantError
+
+    check = FiniteCheck()
+    assert not check.defers(torch.ones(1)) and FiniteCheck(deferred=True).defers(torch.ones(1))
+    with pytest.raises(KvquantError, match="^layer 0: 1 key values are NaN/inf or outside fp16's range"):
+        to_fp16_checked(torch.tensor([1.0, 7e4]), 0, "key", check)
+    check = FiniteCheck(deferred=True)
+    for _ in range(FiniteCheck.MAX_PENDING):  # layer 0 over and over: no lower layer marks a new step
+        to_fp16_checked(torch.ones(2), 0, "key", check)
+    to_fp16_checked(torch.tensor([float("inf")]), 0, "key", check)
+    assert len(check.pending) == 1  # the full list was read before this one was kept
+    with pytest.raises(KvquantError, match="^layer 0: 1 key values are NaN/inf .*\\(found after"):
+        check.settle()
+    assert check.pending == []

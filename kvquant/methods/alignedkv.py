@@ -84,7 +84,8 @@ class AlignedLayer(KVLayer):
         if self.window is not None and self.store.n_full:  # blocks no query from now on can see
             self.store.drop_blocks(max(0, self.seen - self.window + 1 - self.dropped) // BLOCK)
         self.store.append(
-            to_fp16_checked(key_states, self.layer_idx, "key"), to_fp16_checked(value_states, self.layer_idx, "value")
+            to_fp16_checked(key_states, self.layer_idx, "key", self.finite),
+            to_fp16_checked(value_states, self.layer_idx, "value", self.finite),
         )
         self.seen += q_len
         if q_len == 1 or self.prefill_aligned:
@@ -151,20 +152,22 @@ class AlignedLayer(KVLayer):
         else:  # per column: every block token in the window
             per_head_k = torch.bincount(k_index, minlength=h * len(WIDTHS)) * max(0, store.n_full - first)
         per_head_v = torch.bincount((heads.view(1, h, 1) + (wv - 8) // 4).flatten(), minlength=h * len(WIDTHS))
-        per_head_k, per_head_v = per_head_k.view(h, -1).cpu(), (per_head_v.view(h, -1) * d).cpu()
-        self.head_widths_k += per_head_k
-        self.head_widths_v += per_head_v
+        per_head_k, per_head_v = per_head_k.view(h, -1), per_head_v.view(h, -1) * d  # on the device until counted
         # metadata read each step: the per-channel max |K| (fp16), one exponent byte per block channel of keys
         # (AlignedKV+) and of values (the block rule)
         meta_k = 16 * b * h * d + (8 * store.k_exp.numel() if store.k_exp is not None else 0)
         meta_v = 8 * store.v_exp.numel() if store.v_exp is not None else 0
         tail = b * h * min(store.tail_k.shape[2], store.visible) * d
-        self._pending.append((self.seen, tail, per_head_k.sum(0), per_head_v.sum(0), meta_k, meta_v))
+        self._pending.append((self.seen, tail, per_head_k, per_head_v, meta_k, meta_v))
 
     def counts(self):
-        for position, tail, k, v, meta_k, meta_v in self._pending:
-            read_k = {w: int(n) for w, n in zip(WIDTHS, k.tolist(), strict=True) if n}
-            read_v = {w: int(n) for w, n in zip(WIDTHS, v.tolist(), strict=True) if n}
+        """What was read, the steps not yet counted moved off the device together (one sync)."""
+        moved = torch.stack([torch.stack((k, v)) for _, _, k, v, _, _ in self._pending]).cpu() if self._pending else []
+        for (position, tail, _, _, meta_k, meta_v), (per_head_k, per_head_v) in zip(self._pending, moved, strict=True):
+            self.head_widths_k += per_head_k
+            self.head_widths_v += per_head_v
+            read_k = {w: int(n) for w, n in zip(WIDTHS, per_head_k.sum(0).tolist(), strict=True) if n}
+            read_v = {w: int(n) for w, n in zip(WIDTHS, per_head_v.sum(0).tolist(), strict=True) if n}
             if tail:
                 read_k[16] = read_k.get(16, 0) + tail
                 read_v[16] = read_v.get(16, 0) + tail
@@ -337,6 +340,7 @@ register_method("alignedkv_plus", AlignedKVPlusMethod)
 
 def width_histograms(cache: KVCache) -> list[dict[str, list[dict[int, int]]]]:
     """Per layer and KV head: elements read at each width, for K and for V (over all steps so far)."""
+    cache.counts()  # folds the steps not yet counted into every layer's histograms
     return [
         {
             side: [dict(zip(WIDTHS, row, strict=True)) for row in getattr(layer, f"head_widths_{side}").tolist()]

@@ -71,8 +71,8 @@ class Fp16Layer(KVLayer):
         return self.state.reserved_bytes()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        k = to_fp16_checked(key_states, self.layer_idx, "key")
-        v = to_fp16_checked(value_states, self.layer_idx, "value")
+        k = to_fp16_checked(key_states, self.layer_idx, "key", self.finite)
+        v = to_fp16_checked(value_states, self.layer_idx, "value", self.finite)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keys, values = self.state.append(k, v)

@@ -15,6 +15,7 @@ dim 8 becomes 8, GEAR's 64 on head dim 32 becomes 32. What was adapted is record
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -23,7 +24,7 @@ import torch
 
 from kvquant.attention import stock_attention
 from kvquant.backends import TORCH, Backend, check_backend
-from kvquant.cache import CropError, KVCache, KVGeometry, KVLayer
+from kvquant.cache import CropError, FiniteCheck, KVCache, KVGeometry, KVLayer
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.formats.codes import CodesState
 from kvquant.formats.window import TOKEN_AXIS, Stream
@@ -36,12 +37,26 @@ class NonFiniteKVError(KvquantError, ValueError):
     """NaN or inf reached a quantized cache: min-max quantization of such a group is meaningless."""
 
 
-def check_finite(label: str, layer_idx: int | None, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """One reduction and one sync per update: a NaN or inf anywhere makes the fp32 sum non-finite."""
+def non_finite_error(label: str, layer_idx: int | None, bad_keys: int, bad_values: int) -> str | None:
+    """The one line for non-finite keys or values (None when both were finite)."""
+    if not (bad_keys or bad_values):
+        return None
+    return f"{label}: layer {layer_idx} received non-finite {'keys' if bad_keys else 'values'} (NaN or inf)"
+
+
+def check_finite(
+    label: str, layer_idx: int | None, keys: torch.Tensor, values: torch.Tensor, check: FiniteCheck | None = None
+) -> None:
+    """One reduction per update (a NaN or inf anywhere makes the fp32 sum non-finite) and one sync, or on a
+    GPU none: ``check`` reads the verdict when the next step begins (``kvquant.cache.FiniteCheck``)."""
+    if check is not None and check.defers(keys):
+        sums = torch.stack((keys.sum(dtype=torch.float32), values.sum(dtype=torch.float32)))
+        describe = functools.partial(non_finite_error, label, layer_idx)
+        check.defer(layer_idx, ~torch.isfinite(sums), describe, NonFiniteKVError)
+        return
     if bool(torch.isfinite(keys.sum(dtype=torch.float32) + values.sum(dtype=torch.float32))):
         return
-    name = "keys" if not bool(torch.isfinite(keys).all()) else "values"
-    raise NonFiniteKVError(f"{label}: layer {layer_idx} received non-finite {name} (NaN or inf)")
+    raise NonFiniteKVError(non_finite_error(label, layer_idx, not bool(torch.isfinite(keys).all()), True))
 
 
 def check_divides(label: str, group_size: int, head_dim: int) -> None:
@@ -164,7 +179,7 @@ class WindowedLayer(KVLayer):
         """Append the new tokens and code what leaves the windows; return the whole history (decoded, then
         the windows) in the input dtype for the model's attention, or placeholders where the backend's
         kernel reads the codes (full-attention layers only: the kernels' ``limits`` refuse sliding ones)."""
-        check_finite(self.params.label, self.layer_idx, key_states, value_states)
+        check_finite(self.params.label, self.layer_idx, key_states, value_states, self.finite)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[TOKEN_AXIS]

@@ -151,8 +151,8 @@ class AquaKVLayer(KVLayer):
             self.lazy_initialization(key_states, value_states)
         before = self.seen
         self.owner.track_positions(self.layer_idx, before, key_states, rope_inputs(args, kwargs))
-        leaving_k = self.state.k_win.push(to_fp16_checked(key_states, self.layer_idx, "key"))
-        leaving_v = self.state.v_win.push(to_fp16_checked(value_states, self.layer_idx, "value"))
+        leaving_k = self.state.k_win.push(to_fp16_checked(key_states, self.layer_idx, "key", self.finite))
+        leaving_v = self.state.v_win.push(to_fp16_checked(value_states, self.layer_idx, "value", self.finite))
         self.seen += key_states.shape[-2]
 
         m = 0 if leaving_k is None else leaving_k.shape[-2]
