@@ -229,3 +229,23 @@ def test_a_cpu_cache_refuses_at_once_and_a_one_layer_cache_reads_its_checks_in_b
     with pytest.raises(KvquantError, match="^layer 0: 1 key values are NaN/inf .*\\(found after"):
         check.settle()
     assert check.pending == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["fp16", "kivi2", "alignedkv"])
+def test_on_a_gpu_the_finite_checks_wait_for_the_next_step(stories, name):
+    """CUDA tensors are checked without a host sync per layer: the refusal comes at the next step's first layer."""
+    from kvquant.errors import KvquantError
+
+    model, _ = stories
+    cache = get_method(name, backend="torch", **({"group_size": 8} if name == "kivi2" else {})).new_cache(model)
+    assert cache.finite.defers(torch.ones(1, device="cuda"))
+    for n in (200, 1):
+        for i in range(len(cache.layers)):
+            v = torch.randn(1, 4, n, 8, device="cuda")
+            if n == 1 and i == 3:
+                v[0, 1, 0, 2] = float("inf")
+            cache.update(torch.randn(1, 4, n, 8, device="cuda"), v, i)
+    with pytest.raises(KvquantError, match="layer 3.*\\(found after the step that received them\\)"):
+        cache.update(torch.randn(1, 4, 1, 8, device="cuda"), torch.randn(1, 4, 1, 8, device="cuda"), 0)
