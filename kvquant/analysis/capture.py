@@ -15,5 +15,5 @@ def capture_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
     """
     ids = ids.view(1, -1) if ids.dim() == 1 else ids
     cache = DynamicCache()
-    model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True)
+    model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)  # no [seq, vocab]
     return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
