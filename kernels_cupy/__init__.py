@@ -1,10 +1,12 @@
-"""CUDA kernels for AlignedKV's plane layout, compiled at first use with CuPy ``RawModule``.
+"""CUDA kernels for AlignedKV's plane layout, KIVI/GEAR codes and HIGGS codes (keys coded after RoPE),
+compiled at first use with CuPy ``RawModule``.
 
 Importing this package needs only torch and numpy; cupy is imported when a kernel is first
 launched. ``kernels_cupy.backend`` registers the package with ``kvquant.backends`` (which resolves
 ``method.backend``) and implements its ``attend`` protocol; the kernels are in ``kernels_cupy.ops``
 (``append``, ``qk``, ``value_exponents``, ``sv``, ``aligned_attention``), ``KernelPlaneStore`` is the
-plane store whose appends run the pack kernel, and their oracle is ``kernels_cupy.reference``.
+plane store whose appends run the pack kernel, and their oracle is ``kernels_cupy.reference``;
+``kernels_cupy.codes`` and ``kernels_cupy.higgs`` attend over the other formats' codes.
 """
 
 from __future__ import annotations

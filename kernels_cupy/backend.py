@@ -1,10 +1,11 @@
 """The CuPy kernels as a kvquant backend (imported by ``kvquant.backends`` on demand).
 
 ``attend(state, rule, query, mask, scaling)`` runs AlignedKV's step on the GPU (``kernels_cupy.ops``) over
-a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``, and KIVI's and GEAR's decode attention over
-their codes (``kernels_cupy.codes``); ``STATES`` gives layers the plane store whose appends run the pack
+a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``, KIVI's and GEAR's decode attention over
+their codes (``kernels_cupy.codes``) and HIGGS's with keys coded after RoPE (``kernels_cupy.higgs``,
+method ``higgs_post_rope``); ``STATES`` gives layers the plane store whose appends run the pack
 kernel. ``auto`` does not pick these kernels (``Backend.auto`` False) until ``scripts/gpu_check.sh`` has
-passed on a GPU with them: this round's rewrite and the code kernels have not run on one yet, so
+passed on a GPU with them: this round's rewrite and the code and HIGGS kernels have not run on one yet, so
 ``backend=cupy`` is an explicit choice.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kernels_cupy import codes
+from kernels_cupy import codes, higgs
 from kernels_cupy.loader import cupy_status
 from kernels_cupy.store import KernelPlaneStore
 from kvquant.backends import Backend, register_backend
@@ -29,9 +30,12 @@ BLOCK_RULE_V_BLOCKS = (32, 64)  # the block rule's v_block here: whole warps of 
 def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     """What of a model or rule these kernels lack: logit soft-capping, sliding windows, the paper's value
     rule per block (``v_block`` > 1 with ``value_rule`` token), and the block rule's ``v_block`` other than
-    32 or 64; the code kernels' own (``kernels_cupy.codes.limits``)."""
+    32 or 64; the code kernels' own (``kernels_cupy.codes.limits``) and the HIGGS kernel's
+    (``kernels_cupy.higgs.limits``: AQUA-KV's codes, keys coded before RoPE, group and head shapes)."""
     if fmt in ("kivi", "gear"):
         return codes.limits(fmt, geometry, rule)
+    if fmt in ("higgs", "aquakv"):
+        return higgs.limits(fmt, geometry, rule)
     missing = []
     if geometry.softcap is not None:
         missing.append(f"attention-logit soft-capping ({geometry.softcap})")
@@ -63,7 +67,12 @@ def attend_planes(store: Any, rule: Any, query: torch.Tensor, mask, scaling: flo
     return out.to(query.dtype), Reads(wk, wv)
 
 
-ATTEND = {"planes": attend_planes, "kivi": codes.attend_codes, "gear": codes.attend_gear}
+ATTEND = {
+    "planes": attend_planes,
+    "kivi": codes.attend_codes,
+    "gear": codes.attend_gear,
+    "higgs": higgs.attend_higgs,
+}
 
 
 def attend(state: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:

@@ -12,8 +12,8 @@ with synthetic K/V untimed (``model_step_time``); medians of ``--repeats`` steps
 whole-step criteria: fp16 <= 1.05, kivi2/kivi4 <= 0.8, gear2/gear4 <= 0.9, higgs_post_rope <= 1.0 at
 32K); ``x fp16`` over our fp16 cache; ``bits`` the mean bits read per K/V element. Methods are built on
 ``--backend`` (``auto``: the device's kernels where they are picked automatically, else torch;
-``cupy``/``cpu``/``torch`` by name). Needs torch and transformers only (no Hydra, W&B or lm-eval), so
-``scripts/gpu_check.sh`` runs it on a bare GPU machine.
+``cupy``/``cpu``/``torch`` by name), or ``name@backend`` for one (``kivi2@cupy``). Needs torch and
+transformers only (no Hydra, W&B or lm-eval), so ``scripts/gpu_check.sh`` runs it on a bare GPU machine.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", default="llama2_7b")
     parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--batches", default="1")
-    parser.add_argument("--methods", default=METHODS, help="registry names (fp16 gives the x fp16 column)")
+    parser.add_argument(
+        "--methods", default=METHODS, help="registry names, name@backend for one backend (fp16 gives x fp16)"
+    )
     parser.add_argument("--backend", default="auto", help="auto | torch | cpu | cupy, for methods that take one")
     parser.add_argument("--layers", type=int, default=0, help="layers of the random model (0: the layout's own)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -84,9 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         methods = {}
-        for name in args.methods.split(","):
+        for label in args.methods.split(","):
+            name, _, backend = label.partition("@")
             method = get_method(name)
-            methods[name] = method.on_backend(args.backend) if hasattr(method, "backend") else method
+            if hasattr(method, "backend"):
+                method = method.on_backend(backend or args.backend)
+            elif backend:
+                raise KvquantError(f"method {name} has no backend parameter: drop '@{backend}'")
+            methods[label] = method
     except KvquantError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # The GPU check of kernels_cupy, in one call of at most 8 minutes on a lent GPU machine:
-# a usable-GPU check, the gpu-marked kernel tests, the decode-attention benchmark, one results file.
+# a usable-GPU check, the gpu-marked tests, the decode-attention and whole-step benchmarks, one results file.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        # default: $OUT if set, else outputs/gpu_check (git-ignored)
 #
 # Needs python3 ($PYTHON) with torch, numpy, cupy, pytest and transformers (the real-K/V test loads
 # the bundled stories260K; without transformers it skips, and a skip fails the check); no Hydra,
 # W&B, lm-eval or platformdirs (the converted model goes to $XDG_CACHE_HOME/kvquant, default
-# ~/.cache/kvquant). Writes OUT_DIR/results.md (device, date, test verdict, benchmark table),
-# device.txt, tests.log, tests.xml, bench.log and bench.md.
+# ~/.cache/kvquant). Writes OUT_DIR/results.md (device, date, test verdict, benchmark tables),
+# device.txt, tests.log, tests.xml, bench.log, bench.md, step.log and step.md.
 #
-# The benchmark is the reduced, attention-only one of issue 32: SDPA vs the paper's rule vs the block
-# rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes read
-# and % of the copy bandwidth measured in the same run.
+# The benchmarks are reduced versions of issues 32 and 33's: attention only, SDPA vs the paper's rule vs
+# the block rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes
+# read and % of the copy bandwidth measured in the same run (scripts/bench_kernels.py); and whole decode
+# steps on a random-weight Llama-2-7B layout at 4K and 32K, each cache against DynamicCache
+# (scripts/bench_step.py).
 #
 # Fails closed. Exit 0 only when every gpu-marked test ran and passed (none skipped, at least one
-# collected) and the benchmark exited 0; 2 when CuPy or the GPU is unusable (one `error:` line,
+# collected) and both benchmarks exited 0; 2 when CuPy or the GPU is unusable (one `error:` line,
 # nothing else run); 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,10 +61,12 @@ fi
 } > "$OUT_DIR/device.txt"
 cat "$OUT_DIR/device.txt"
 
-# 2. Tests (<= 300 s): every gpu-marked test of the kernels (first use compiles the modules). The
-# verdict is read from the JUnit report, so a skip counts against the check whatever pytest exits.
+# 2. Tests (<= 280 s): every gpu-marked test of the kernels (first use compiles the modules) and of the
+# caches on CUDA. The verdict is read from the JUnit report, so a skip counts against the check whatever
+# pytest exits.
 rm -f "$OUT_DIR/tests.xml"
-timeout 300 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py -m gpu -q -rs -p no:cacheprovider \
+timeout 280 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py tests/test_kernels_cupy_higgs.py \
+  tests/test_cache.py -m gpu -q -rs -p no:cacheprovider \
   --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log"
 test_status=${PIPESTATUS[0]}
 if [ -s "$OUT_DIR/tests.xml" ]; then
@@ -84,15 +88,21 @@ else
   verdict_status=1
 fi
 
-# 3. Benchmark (<= 120 s): whatever its budget leaves is listed as skipped, so the call ends in time.
-timeout 120 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,8192,16384,32768 --batches 1,8 \
-  --methods sdpa,aligned,block,control --repeats 10 --max-seconds 75 --out "$OUT_DIR/bench.md" 2>&1 \
+# 3. Benchmarks (<= 90 s + 70 s): whatever a budget leaves is listed as skipped, so the call ends in time.
+# Attention only (AlignedKV's kernels vs SDPA), then whole decode steps on a random-weight Llama-2-7B layout
+# (each cache vs DynamicCache, the torch path beside the CuPy kernels).
+timeout 90 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,8192,16384,32768 --batches 1,8 \
+  --methods sdpa,aligned,block,control --repeats 10 --max-seconds 60 --out "$OUT_DIR/bench.md" 2>&1 \
   | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
+timeout 70 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 35 \
+  --methods fp16,kivi2,kivi2@cupy,kivi4@cupy,gear2@cupy,higgs_post_rope@cupy,alignedkv_block@cupy \
+  --out "$OUT_DIR/step.md" 2>&1 | tee "$OUT_DIR/step.log"
+step_status=${PIPESTATUS[0]}
 
 status=0
 [ "$test_status" -eq 0 ] && [ "$verdict_status" -eq 0 ] || status=1
-[ "$bench_status" -eq 0 ] || status=1
+[ "$bench_status" -eq 0 ] && [ "$step_status" -eq 0 ] || status=1
 {
   echo "# kernels_cupy GPU check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
   echo
@@ -107,9 +117,13 @@ status=0
   echo "benchmark (exit $bench_status):"
   echo
   if [ -s "$OUT_DIR/bench.md" ]; then cat "$OUT_DIR/bench.md"; else tail -n 20 "$OUT_DIR/bench.log"; fi
+  echo
+  echo "whole decode step (exit $step_status):"
+  echo
+  if [ -s "$OUT_DIR/step.md" ]; then cat "$OUT_DIR/step.md"; else tail -n 20 "$OUT_DIR/step.log"; fi
 } > "$OUT_DIR/results.md"
 cat "$OUT_DIR/results.md"
 if [ "$status" -ne 0 ]; then
-  echo "error: GPU check failed: tests exit $test_status ($verdict); benchmark exit $bench_status" >&2
+  echo "error: GPU check failed: tests exit $test_status ($verdict); benchmarks exit $bench_status, $step_status" >&2
 fi
 exit "$status"

@@ -17,10 +17,13 @@ def load_script():
 def test_rows_per_cell_with_ratios_to_dynamic_cache_and_fp16(capsys, tmp_path):
     out = tmp_path / "step.md"
     args = ["--layout", "stories260k", "--contexts", "64,200", "--batches", "2", "--layers", "2"]
-    assert load_script().main([*args, "--methods", "fp16,truncation,kivi2", "--repeats", "1", "--out", str(out)]) == 0
+    assert (
+        load_script().main([*args, "--methods", "fp16,truncation,kivi2@torch", "--repeats", "1", "--out", str(out)])
+        == 0
+    )
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()[4:]]
     assert [(r[2], r[3]) for r in rows] == [
-        (c, m) for c in ("64", "200") for m in ("DynamicCache", "fp16", "truncation", "kivi2")
+        (c, m) for c in ("64", "200") for m in ("DynamicCache", "fp16", "truncation", "kivi2@torch")
     ]
     for row in rows:
         assert row[0] == "stories260k" and row[1] == "2" and float(row[5]) > 0
@@ -30,7 +33,8 @@ def test_rows_per_cell_with_ratios_to_dynamic_cache_and_fp16(capsys, tmp_path):
             assert float(row[6]) > 0 and float(row[7]) > 0
     bits = {(r[2], r[3]): float(r[8]) for r in rows if r[3] != "DynamicCache"}
     assert bits["64", "fp16"] == 16.0 and bits["200", "truncation"] == 13.0
-    assert bits["200", "kivi2"] < 16.0  # 200 tokens: beyond KIVI's fp16 window of 128
+    assert bits["200", "kivi2@torch"] < 16.0  # 200 tokens: beyond KIVI's fp16 window of 128
+    assert {r[4] for r in rows if r[3] == "kivi2@torch"} == {"torch"}  # name@backend: that backend
     assert "device: CPU" in out.read_text().splitlines()[0] and "layout stories260k" in capsys.readouterr().out
 
 

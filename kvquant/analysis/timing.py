@@ -136,14 +136,17 @@ def kv_geometry(shape: str) -> tuple[int, int, int]:
     return sizes["num_attention_heads"], sizes["num_key_value_heads"], sizes["head_dim"]
 
 
-def synthetic_kv(shape: str, n: int, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys ``[batch, Hkv, n, D]`` with log-normal channel scales and 2 outlier channels per head; values Gaussian."""
+def synthetic_kv(
+    shape: str, n: int, seed: int = 0, batch: int = 1, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys ``[batch, Hkv, n, D]`` with log-normal channel scales and 2 outlier channels per head; values
+    Gaussian; drawn on ``device`` by its own generator (a GPU's 32K-token history in milliseconds)."""
     _, hkv, d = kv_geometry(shape)
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.exp(0.6 * torch.randn(1, hkv, 1, d, generator=gen))
-    scale[..., torch.randint(0, d, (2,), generator=gen)] *= 8.0
-    keys = torch.randn(batch, hkv, n, d, generator=gen) * scale + 0.5 * scale
-    return keys, torch.randn(batch, hkv, n, d, generator=gen)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scale = torch.exp(0.6 * torch.randn(1, hkv, 1, d, generator=gen, device=device))
+    scale[..., torch.randint(0, d, (2,), generator=gen, device=device)] *= 8.0
+    keys = torch.randn(batch, hkv, n, d, generator=gen, device=device) * scale + 0.5 * scale
+    return keys, torch.randn(batch, hkv, n, d, generator=gen, device=device)
 
 
 def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
@@ -248,7 +251,8 @@ def model_step_time(
 ) -> StepTime:
     """One whole decode step (one token per sequence through every layer) at ``context`` tokens, on a
     random-weight model of ``layout`` with ``method``'s cache (None: ``DynamicCache``); ``bits_read`` and
-    ``bytes_read`` over every layer's K/V."""
+    ``bytes_read`` over every layer's K/V. The synthetic history is drawn on ``device`` (so its numbers
+    differ between a CPU and a GPU; timing does not depend on them)."""
     from transformers import DynamicCache
 
     model = layout_model(layout, device, layers)
@@ -261,9 +265,10 @@ def model_step_time(
     scope = method.attach(model) if method is not None else contextlib.nullcontext()
     with scope:
         cache = method.new_cache(model) if method is not None else DynamicCache(config=model.config)
-        for i, layer in enumerate(cache.layers):  # untimed: each layer its own synthetic history
-            keys, values = synthetic_kv(layout, fill, seed + i, batch)
-            layer.update(keys.to(device, dtype), values.to(device, dtype))
+        keys, values = (t.to(dtype) for t in synthetic_kv(layout, fill, seed, batch, device))
+        for layer in cache.layers:  # untimed: every layer stores the same synthetic history
+            layer.update(keys, values)
+        del keys, values
         times, bits, elements = [], 0.0, 0
         for i in range(warmup + repeats):
             t = fill + i

@@ -10,6 +10,7 @@ cache reconstructs them each forward (``rows``) and attention reads that reconst
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +19,23 @@ from kvquant.formats.base import FormatState, Reads, attention
 from kvquant.formats.window import Window
 from kvquant.quant.higgs import Higgs, HiggsTensor, cat_rows
 from kvquant.quant.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class HiggsRule:
+    """A HIGGS method's read as backends' ``limits`` judge it when a cache is made: its quantizer (grid,
+    rotation, ``group``, ``padded_group``) and whether keys are coded after RoPE (no RoPE at a read)."""
+
+    quant: Higgs
+    post_rope: bool = False
+
+    @property
+    def group(self) -> int:
+        return self.quant.group
+
+    @property
+    def padded_group(self) -> int:
+        return self.quant.padded_group
 
 
 class HiggsState(FormatState):

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from kvquant.backends import check_backend
 from kvquant.cache import KVGeometry, KVLayer
 from kvquant.errors import InvalidParameterError
+from kvquant.formats.higgs import HiggsRule
 from kvquant.methods.aquakv.cache import AquaKVCache, find_rotary
 from kvquant.methods.aquakv.layer import AquaKVLayer
 from kvquant.methods.aquakv.predictors import (
@@ -148,7 +149,7 @@ class HiggsMethod(KVMethod):
         note = quants[self.bits].padding_note()
         if note:
             warnings.warn(note, stacklevel=2)
-        backend = self.resolve(model, geometry, quants[self.bits])
+        backend = self.resolve(model, geometry, HiggsRule(quants[self.bits], self.post_rope))
         pred = self.load_predictors(model)
         layers = []
         for i in range(geometry.n_layers):

@@ -1,0 +1,375 @@
+// Decode attention over a HIGGS store whose keys were coded after RoPE (kvquant.formats.higgs, method
+// higgs_post_rope), read as stored: codes looked up in the grid in registers, never written out. The
+// torch reference is kvquant.formats.higgs.attend; kernels_cupy/higgs_emulate.py is this file line for
+// line in torch.
+//
+// Layout (kvquant.quant.higgs; contiguous tensors): a token's codes cover the whole row of Hkv*D
+// channels, cut into G groups of `group` channels (HPG = group / D whole KV heads), each zero-padded to
+// P coordinates; codes [B, nc, row_bytes] (cb = 4, 6 or 8 bits a code, kvquant.quant.bitpack: low bits
+// first, 6-bit codes in 3-byte words of 4), one code per 2 coordinates, group gi's codes from code
+// gi*P/2; scales fp16 [B, nc, G]. Dequantized, group gi of token t is
+//   g = s_t * signs * (y_t H^T) / sqrt(P),  H = kron(outer [m, m], S_p),  y_t = grid[codes].
+// The fp16 sinks [B, Hkv, ns, D] come first, the codes next, the fp16 recent window [B, Hkv, nr, D] last.
+//
+// Query rows come as q [B, G, RM, D] fp32 (RM = HPG*g*Q rows a group, zero rows past a short last group).
+// Scores in the rotated domain: q . g = s_t * (qt . y_t) with qt = ((signs * q) H) / sqrt(P), each
+// query row placed at its head's channels of the group and rotated once per step (higgs.py, in torch).
+// Values summed in the rotated domain: sum_t p_t g_t = signs * ((sum_t p_t s_t y_t) H^T) / sqrt(P), the
+// inverse rotation taken once per query row in higgs_merge, never per token.
+//
+// Grid (n_split, B*G, row tiles), HIGGS_THREADS threads. Splits never straddle two parts: the first n0
+// cover the sinks, the next n1 the codes, the rest the recent window, each part cut into its own chunks.
+// A CTA takes RT rows of one group (rows j*Q + i of the group: query head j, position i; the head's
+// KV head is j / g). A lane holds 8 coordinates (4 codes) of the group, or in an fp16 part the same 8
+// channels of the group's heads; LPT lanes (a power of two >= P/8, up to 128) read one token. With
+// LPT <= 32 a warp holds 32/LPT lane groups and a token's dot product is a shuffle reduction; with
+// LPT = 64 or 128 a token spans 2 or 4 warps, whose partial sums meet in shared memory (one
+// __syncthreads per step, double-buffered). The NSEG = 128/LPT lane groups each run their own online
+// softmax over tokens base + u*NSEG + group (u < U), are merged in shared memory at the end, and each
+// CTA writes (m, l, acc[P]) per row: acc is the rotated-domain sum in a code split, the plain sum over
+// the group's channels in an fp16 split. higgs_merge takes the log-sum-exp of the splits.
+//
+// No headers (as codes.cu): nvcc (CI, PTX) and NVRTC compile it unchanged.
+
+#define HIGGS_THREADS 128
+#define HIGGS_WARPS (HIGGS_THREADS / 32)
+#define HIGGS_NEG_INF (__int_as_float(0xff800000))
+#define HIGGS_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float higgs_h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// The 4 codes k0 .. k0+3 (k0 a multiple of 4, so a lane's codes start on a byte) as grid points: 8 floats.
+// cb (4, 6 or 8 bits a code) is the same in every lane: a uniform branch, one kernel for the three widths.
+__device__ __forceinline__ void lane_points(const unsigned char* row, int k0, int cb, const float* grid,
+                                            float (&y)[8]) {
+    unsigned int w;
+    if (cb == 4) {
+        w = *reinterpret_cast<const unsigned short*>(row + k0 / 2);
+    } else if (cb == 8) {
+        w = *reinterpret_cast<const unsigned int*>(row + k0);
+    } else {
+        const unsigned char* p = row + k0 / 4 * 3;
+        w = (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16);
+    }
+    const unsigned int mask = (1u << cb) - 1u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const unsigned int c = (w >> (cb * j)) & mask;
+        y[2 * j] = grid[2 * c];
+        y[2 * j + 1] = grid[2 * c + 1];
+    }
+}
+
+// 8 consecutive fp16 values (16-byte aligned) as fp32.
+__device__ __forceinline__ void higgs_half8(const unsigned short* p, float (&x)[8]) {
+    const uint4 w = *reinterpret_cast<const uint4*>(p);
+    const unsigned int u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = higgs_h2f((unsigned short)((u[j >> 1] >> (16 * (j & 1))) & 0xFFFFu));
+}
+
+// One stored side (K or V): codes and scales, the fp16 sinks and recent window.
+struct HiggsSide {
+    const unsigned char* codes;
+    const unsigned short *scale, *sink, *recent;
+};
+
+// Token t's 8 values at the lane (coordinates cc.. of the group in a code split, channels cc.. of the
+// group's heads in an fp16 one), and its scale (1 for fp16 tokens).
+__device__ __forceinline__ float load_token(const HiggsSide& s, int seg, int cb, int t, int b, int gi, int cc,
+                                            bool active, int ns, int nc, int nr, int row_bytes, int G, int Hkv,
+                                            int HPG, int D, int P, const float* grid, float (&x)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = 0.0f;
+    if (seg == 1) {
+        const long long ct = (long long)b * nc + (t - ns);
+        if (active) lane_points(s.codes + ct * row_bytes, gi * (P / 2) + cc / 2, cb, grid, x);
+        return higgs_h2f(s.scale[ct * G + gi]);
+    }
+    if (active) {
+        const long long kvh = (long long)gi * HPG + cc / D;
+        const long long tok = seg == 0 ? (long long)b * Hkv * ns + kvh * ns + t
+                                       : (long long)b * Hkv * nr + kvh * nr + (t - ns - nc);
+        higgs_half8((seg == 0 ? s.sink : s.recent) + tok * D + cc % D, x);
+    }
+    return 1.0f;
+}
+
+template <int RT, int U>
+__device__ __forceinline__ void attend_higgs(
+    const float* __restrict__ q, const float* __restrict__ qt, HiggsSide ks, HiggsSide vs, int ns, int nc, int nr,
+    int row_bytes, int cb, const float* __restrict__ grid_g, int n_grid, const void* mask, int mask_kind, long long mb,
+    long long mh, long long mq, long long mt, int Hkv, int g, int Q, int D, int P, int HPG, int RM, int G, int n0,
+    int chunk0, int n1, int chunk1, int chunk2, int causal, float scaling, int lpt, float* __restrict__ part_acc,
+    float* __restrict__ part_ml) {
+    extern __shared__ float smem[];
+    const int L = ns + nc + nr;
+    const int split = blockIdx.x, bg = blockIdx.y, row0 = blockIdx.z * RT;
+    const int b = bg / G, gi = bg % G;
+    const int heads = min(HPG, Hkv - gi * HPG);
+    const int nrows = min(RT, heads * g * Q - row0);
+    if (nrows <= 0) return;  // a tile past the last group's rows (the whole CTA)
+    int seg, tb, te;
+    if (split < n0) {
+        seg = 0;
+        tb = split * chunk0;
+        te = min(ns, tb + chunk0);
+    } else if (split < n0 + n1) {
+        seg = 1;
+        tb = ns + (split - n0) * chunk1;
+        te = min(ns + nc, tb + chunk1);
+    } else {
+        seg = 2;
+        tb = ns + nc + (split - n0 - n1) * chunk2;
+        te = min(L, tb + chunk2);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nseg = HIGGS_THREADS / lpt, group = threadIdx.x / lpt, sub = threadIdx.x % lpt, cc = 8 * sub;
+    const bool active = seg == 1 ? cc < P : cc < heads * D;
+    const int hl = cc / D;  // the lane's head within the group (fp16 parts)
+
+    float* grid = smem;  // the grid's points, 2 floats each
+    float* red = grid + 2 * n_grid;  // [2][HIGGS_WARPS][U][RT]: warps' partial dot products (LPT > 32)
+    float* sm_m = red + 2 * HIGGS_WARPS * U * RT;
+    float* sm_l = sm_m + nseg * RT;
+    float* sm_acc = sm_l + nseg * RT;
+    for (int i = threadIdx.x; i < 2 * n_grid; i += HIGGS_THREADS) grid[i] = grid_g[i];
+    __syncthreads();
+
+    float qr[RT][8], acc[RT][8], m[RT], l[RT];
+    long long moff[RT];
+    int limit[RT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        const int row = row0 + r;
+        const bool mine = r < nrows && active && (seg == 1 || hl == row / (g * Q));
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float x = 0.0f;
+            if (mine) {
+                const long long at = (long long)bg * RM + row;
+                x = seg == 1 ? qt[at * P + cc + j] : q[at * D + cc % D + j];
+            }
+            qr[r][j] = x;
+            acc[r][j] = 0.0f;
+        }
+        m[r] = HIGGS_NEG_INF;
+        l[r] = 0.0f;
+        const int qh = gi * HPG * g + row / Q, i = row % Q;
+        moff[r] = b * mb + qh * mh + i * mq;
+        limit[r] = r >= nrows ? 0 : (causal ? L - Q + i + 1 : L);
+    }
+
+    const int width = min(lpt, 32), wpt = lpt / 32;  // lanes of a token within a warp; warps of a token
+    int it = 0;
+    for (int base = tb; base < te; base += nseg * U, ++it) {
+        float s[U][RT], sc[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * nseg + group;
+            float k[8];
+            sc[u] = 0.0f;
+            if (t < te) {
+                sc[u] =
+                    load_token(ks, seg, cb, t, b, gi, cc, active, ns, nc, nr, row_bytes, G, Hkv, HPG, D, P, grid, k);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) k[j] = 0.0f;
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                float x = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) x = fmaf(qr[r][j], k[j], x);
+                for (int o = width >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(HIGGS_FULL_MASK, x, o);
+                s[u][r] = x;
+            }
+        }
+        if (wpt > 1) {  // a token over 2 or 4 warps: their sums meet in shared memory, in warp order
+            float* buf = red + (it & 1) * HIGGS_WARPS * U * RT;
+            if (lane == 0) {
+#pragma unroll
+                for (int u = 0; u < U; ++u)
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) buf[(warp * U + u) * RT + r] = s[u][r];
+            }
+            __syncthreads();
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    float x = 0.0f;
+                    for (int w = 0; w < wpt; ++w) x += buf[((group * wpt + w) * U + u) * RT + r];
+                    s[u][r] = x;
+                }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * nseg + group;
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                float x = s[u][r] * sc[u] * scaling;
+                if (t >= te || t >= limit[r]) {
+                    x = HIGGS_NEG_INF;
+                } else if (mask_kind == 1) {
+                    if (!reinterpret_cast<const unsigned char*>(mask)[moff[r] + t * mt]) x = HIGGS_NEG_INF;
+                } else if (mask_kind == 2) {
+                    x += reinterpret_cast<const float*>(mask)[moff[r] + t * mt];
+                }
+                s[u][r] = x;
+            }
+        }
+        // Online softmax over the U tokens, per row (every lane of a group holds the same numbers).
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            float mx = m[r];
+#pragma unroll
+            for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u][r]);
+            if (mx == HIGGS_NEG_INF) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) s[u][r] = 0.0f;
+                continue;
+            }
+            const float alpha = expf(m[r] - mx);  // 0 while m is -inf
+            float sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                s[u][r] = expf(s[u][r] - mx);
+                sum += s[u][r];
+            }
+            l[r] = l[r] * alpha + sum;
+            m[r] = mx;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[r][j] *= alpha;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = base + u * nseg + group;
+            if (t >= te || !active) continue;
+            float v[8];
+            const float vsc =
+                load_token(vs, seg, cb, t, b, gi, cc, active, ns, nc, nr, row_bytes, G, Hkv, HPG, D, P, grid, v);
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                const float w = s[u][r] * vsc;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[r][j] = fmaf(w, v[j], acc[r][j]);
+            }
+        }
+    }
+
+    // Merge the lane groups: m, l [nseg][RT], acc [nseg][RT][8*lpt] (lpt * 8 >= P).
+    const int dp = 8 * lpt;
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        if (sub == 0) {
+            sm_m[group * RT + r] = m[r];
+            sm_l[group * RT + r] = l[r];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sm_acc[(group * RT + r) * dp + cc + j] = acc[r][j];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < nrows * P; i += HIGGS_THREADS) {
+        const int r = i / P, c = i % P;
+        float mx = HIGGS_NEG_INF;
+        for (int gs = 0; gs < nseg; ++gs) mx = fmaxf(mx, sm_m[gs * RT + r]);
+        float o = 0.0f, den = 0.0f;
+        if (mx != HIGGS_NEG_INF) {
+            for (int gs = 0; gs < nseg; ++gs) {
+                const float mg = sm_m[gs * RT + r];
+                if (mg == HIGGS_NEG_INF) continue;
+                const float wgt = expf(mg - mx);
+                o = fmaf(wgt, sm_acc[(gs * RT + r) * dp + c], o);
+                den = fmaf(wgt, sm_l[gs * RT + r], den);
+            }
+        }
+        const long long prow = ((long long)split * gridDim.y + bg) * RM + row0 + r;
+        part_acc[prow * P + c] = o;
+        if (c == 0) {
+            part_ml[prow * 2] = mx;
+            part_ml[prow * 2 + 1] = den;
+        }
+    }
+}
+
+// One block per output row (b, query head, position) of out [B, Hq*Q, D] fp32: the log-sum-exp merge of
+// the splits, the code splits' rotated-domain sums rotated back once (kron(outer, S_p)^T, signs,
+// 1/sqrt(P)) at the row's D channels, added to the fp16 splits' plain sums. A row that sees no key
+// gives zeros. Shared memory: P floats.
+extern "C" __global__ void higgs_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                       int n_split, int n0, int n1, int BG, int G, int RM, int P, int D, int gQ,
+                                       int HQ_Q, const float* __restrict__ signs, const float* __restrict__ outer,
+                                       int m, int p, float inv_sqrt_p, float* __restrict__ out) {
+    extern __shared__ float rot[];
+    const int row = blockIdx.x;
+    const int b = row / HQ_Q, f = row % HQ_Q, gi = f / RM, r = f % RM, c0 = (r / gQ) * D;
+    const long long bg = (long long)b * G + gi;
+    float mx = HIGGS_NEG_INF;
+    for (int sp = 0; sp < n_split; ++sp) mx = fmaxf(mx, part_ml[(((long long)sp * BG + bg) * RM + r) * 2]);
+    float den = 0.0f;
+    if (mx != HIGGS_NEG_INF) {
+        for (int sp = 0; sp < n_split; ++sp) {
+            const long long pr = ((long long)sp * BG + bg) * RM + r;
+            const float ms = part_ml[pr * 2];
+            if (ms != HIGGS_NEG_INF) den = fmaf(expf(ms - mx), part_ml[pr * 2 + 1], den);
+        }
+    }
+    for (int j = threadIdx.x; j < P; j += blockDim.x) {
+        float o = 0.0f;
+        if (mx != HIGGS_NEG_INF) {
+            for (int sp = n0; sp < n0 + n1; ++sp) {
+                const long long pr = ((long long)sp * BG + bg) * RM + r;
+                const float ms = part_ml[pr * 2];
+                if (ms != HIGGS_NEG_INF) o = fmaf(expf(ms - mx), part_acc[pr * P + j], o);
+            }
+        }
+        rot[j] = o;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        float o = 0.0f;
+        if (mx != HIGGS_NEG_INF) {
+            float plain = 0.0f;
+            for (int sp = 0; sp < n_split; ++sp) {
+                if (sp >= n0 && sp < n0 + n1) continue;
+                const long long pr = ((long long)sp * BG + bg) * RM + r;
+                const float ms = part_ml[pr * 2];
+                if (ms != HIGGS_NEG_INF) plain = fmaf(expf(ms - mx), part_acc[pr * P + c0 + c], plain);
+            }
+            const int ch = c0 + c, hi = ch / p, lo = ch % p;
+            float back = 0.0f;
+            for (int j = 0; j < P; ++j) {
+                const float h = outer[hi * m + j / p];
+                back = fmaf(rot[j], (__popc(lo & (j % p)) & 1) ? -h : h, back);
+            }
+            o = (plain + signs[ch] * back * inv_sqrt_p) / den;
+        }
+        out[(long long)row * D + c] = o;
+    }
+}
+
+#define HIGGS_KERNEL(NAME, RT, U)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(HIGGS_THREADS, 1) NAME(                                             \
+        const float* q, const float* qt, const unsigned char* kcodes, const unsigned short* kscale,                  \
+        const unsigned short* ksink, const unsigned short* krecent, const unsigned char* vcodes,                     \
+        const unsigned short* vscale, const unsigned short* vsink, const unsigned short* vrecent, int ns, int nc,    \
+        int nr, int row_bytes, int cb, const float* grid, int n_grid, const void* mask, int mask_kind, long long mb, \
+        long long mh, long long mq, long long mt, int Hkv, int g, int Q, int D, int P, int HPG, int RM, int G,       \
+        int n0, int chunk0, int n1, int chunk1, int chunk2, int causal, float scaling, int lpt, float* part_acc,     \
+        float* part_ml) {                                                                                            \
+        const HiggsSide ks = {kcodes, kscale, ksink, krecent};                                                       \
+        const HiggsSide vs = {vcodes, vscale, vsink, vrecent};                                                       \
+        attend_higgs<RT, U>(q, qt, ks, vs, ns, nc, nr, row_bytes, cb, grid, n_grid, mask, mask_kind, mb, mh, mq, mt, \
+                            Hkv, g, Q, D, P, HPG, RM, G, n0, chunk0, n1, chunk1, chunk2, causal, scaling, lpt,       \
+                            part_acc, part_ml);                                                                      \
+    }
+
+HIGGS_KERNEL(higgs_r1, 1, 4)
+HIGGS_KERNEL(higgs_r2, 2, 4)
+HIGGS_KERNEL(higgs_r4, 4, 4)
+HIGGS_KERNEL(higgs_r8, 8, 2)

@@ -1,0 +1,309 @@
+"""Decode attention over HIGGS codes with keys coded after RoPE (``higgs_post_rope``) on the GPU: ``higgs.cu``
+through the backend protocol.
+
+``attend_higgs`` takes a ``kvquant.formats.higgs.HiggsState`` as the method stores it (codes, scales, fp16
+sinks and window read where they lie) and returns ``(out [B, Hq, q_len, D] in the query's dtype, Reads())``,
+the torch reference ``kvquant.formats.higgs.attend`` up to fp32 summation order. Keys are scored in the
+rotated domain (each query row rotated once per step, here in torch) and values summed there, rotated
+back once per query row by the merge kernel. The launch arithmetic (lane groups, row tiles, the split of
+the three parts of the sequence, shared memory) and the argument preparation (query rows by group, the
+rotated queries, the quantizer's tensors on the device) are plain functions, so the CPU tests and
+``kernels_cupy.higgs_emulate`` (the kernel line for line in torch) use the very same numbers.
+
+Refused: keys coded before RoPE (method ``higgs``: RoPE would have to be re-applied per token), AQUA-KV
+states, and the shapes ``limits`` names. Importing this module needs torch and numpy only; cupy is
+imported at the first launch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels_cupy.codes import kernel_arg, mask_view
+from kernels_cupy.loader import i32, launch, ptr, sm_count
+from kvquant.formats.base import Reads
+from kvquant.quant.hadamard import hadamard_transform
+
+SOURCE = "higgs.cu"
+THREADS = 128  # higgs.cu HIGGS_THREADS
+WARPS = THREADS // 32
+COORDS_PER_LANE = 8  # 4 codes of 2 coordinates
+ROW_TILES = (1, 2, 4, 8)
+#: tokens in flight per lane group, per rows of a tile: higgs.cu's HIGGS_KERNEL instantiations (one per tile;
+#: the code width is an argument)
+TOKENS_IN_FLIGHT = {1: 4, 2: 4, 4: 4, 8: 2}
+CODE_BITS = (4, 6, 8)  # HIGGS at 2, 3, 4 bits a value: 16-, 64-, 256-point grids of 2 coordinates
+PADDED_MAX = 1024  # the widest group (padded): 128 lanes of 8 coordinates, one CTA
+HEAD_DIM_MAX = 256
+MIN_CHUNK = 256  # fewest keys a split of the coded part is given
+WAVES = 4  # CTAs aimed for per SM when splitting the codes
+#: queries in one step from which the torch reference runs instead (a prompt)
+PROMPT_QUERIES = 16
+
+
+def lanes_per_token(p: int) -> int:
+    """Lanes that read one token's group: a power of two >= P / 8 (each lane holds 8 coordinates)."""
+    need = -(-p // COORDS_PER_LANE)
+    return 1 << (need - 1).bit_length()
+
+
+def lane_groups(p: int) -> int:
+    """Lane groups of a CTA (each runs its own online softmax over its tokens): 128 / LPT."""
+    return THREADS // lanes_per_token(p)
+
+
+def row_tile(rows: int) -> int:
+    """Rows of one CTA: the smallest instantiated tile holding ``rows``, else the largest (several tiles)."""
+    return next((t for t in ROW_TILES if t >= rows), ROW_TILES[-1])
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan(parts: tuple[int, int, int], ctas: int, sms: int, p: int, tokens_in_flight: int) -> list[tuple[int, int]]:
+    """``[(n_split, chunk)]`` for the sinks, the codes and the recent window: each part cut into chunks of
+    ``chunk`` keys (the last may be shorter; no split straddles two parts), a whole number of the CTA's
+    steps (lane groups × tokens in flight). The codes get about ``WAVES`` CTAs per SM over ``ctas`` (groups
+    × row tiles × batch) but never fewer than ``MIN_CHUNK`` keys a split; the fp16 parts one split per
+    ``MIN_CHUNK`` keys. An empty part has no split."""
+    step = lane_groups(p) * tokens_in_flight
+    want = max(1, _ceil(WAVES * sms, max(1, ctas)))
+    out = []
+    for i, n in enumerate(parts):
+        if n == 0:
+            out.append((0, step))
+            continue
+        n_split = max(1, min(want, _ceil(n, MIN_CHUNK))) if i == 1 else _ceil(n, MIN_CHUNK)
+        chunk = _ceil(_ceil(n, n_split), step) * step
+        out.append((_ceil(n, chunk), chunk))
+    return out
+
+
+def split_range(split: int, parts: tuple[int, int, int], splits: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """``(part, first, end)`` of split ``split`` as higgs.cu finds it: part 0 sinks, 1 codes, 2 recent;
+    keys ``[first, end)`` in the order sinks, codes, window."""
+    start = 0
+    for part, ((n_split, chunk), n) in enumerate(zip(splits, parts, strict=True)):
+        if split < n_split:
+            first = start + split * chunk
+            return part, first, min(start + n, first + chunk)
+        split -= n_split
+        start += n
+    raise ValueError(f"split beyond the plan's {sum(s for s, _ in splits)}")
+
+
+def shared_bytes(p: int, rt: int, n_grid: int) -> int:
+    """Dynamic shared memory of one CTA: the grid's points, the warps' partial dot products (two steps) and
+    m, l and the accumulators of every lane group (the final merge)."""
+    lpt, nseg = lanes_per_token(p), lane_groups(p)
+    u = TOKENS_IN_FLIGHT[rt]
+    return 4 * (2 * n_grid + 2 * WARPS * u * rt + 2 * nseg * rt + nseg * rt * COORDS_PER_LANE * lpt)
+
+
+def kernel_name(rt: int) -> str:
+    return f"higgs_r{rt}"
+
+
+def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
+    """What of a model or rule this kernel lacks, one phrase each; ``rule`` is the method's
+    ``kvquant.formats.higgs.HiggsRule`` (its quantizer, and whether keys are coded after RoPE): AQUA-KV's
+    codes (a predictor's residual), keys coded before RoPE (method ``higgs``; ``check_state`` refuses such a
+    state per call too), logit soft-capping, sliding-window layers, head dims not a multiple of 8 up to 256,
+    groups that split a head or pad to more than 1024 or to a size not a multiple of 8."""
+    if fmt == "aquakv":
+        return ["AQUA-KV codes (a cross-layer predictor's residual)"]
+    missing = []
+    if rule is not None and getattr(rule, "post_rope", True) is False:
+        missing.append("keys coded before RoPE (method higgs; higgs_post_rope has a kernel)")
+    if geometry.softcap is not None:
+        missing.append(f"attention-logit soft-capping ({geometry.softcap})")
+    if geometry.sliding_window is not None:
+        missing.append(f"sliding-window layers ({geometry.sliding_window})")
+    d = geometry.head_dim
+    if d % COORDS_PER_LANE or d > HEAD_DIM_MAX:
+        missing.append(f"heads of {d} channels (they need a multiple of 8 up to 256)")
+    elif rule is not None:
+        p = rule.padded_group
+        if rule.group % d or p % COORDS_PER_LANE or p > PADDED_MAX:
+            missing.append(
+                f"groups of {rule.group} channels padded to {p} over heads of {d} "
+                f"(they need whole heads, padded to a multiple of 8 up to {PADDED_MAX})"
+            )
+    return missing
+
+
+def check_state(state: Any, d: int, hkv: int) -> None:
+    """What the kernel assumes of a state, one ``ValueError`` line otherwise: HIGGS codes (not AQUA-KV's),
+    keys coded after RoPE, whole heads per group, head dim and padded group as ``limits`` says."""
+    if state.format != "higgs":
+        raise ValueError("kernels_cupy: HIGGS codes of a predictor residual (AQUA-KV) are not supported")
+    if state.qk is not None and not state.rope.get("post_rope"):
+        raise ValueError(
+            "kernels_cupy: HIGGS keys coded before RoPE (method higgs) are not supported; use higgs_post_rope"
+        )
+    quant = state.quant
+    if d % COORDS_PER_LANE or not COORDS_PER_LANE <= d <= HEAD_DIM_MAX:
+        raise ValueError(f"kernels_cupy: the HIGGS kernel takes head_dim a multiple of 8 up to 256, got {d}")
+    if quant.channels != hkv * d or quant.group % d:
+        raise ValueError(f"kernels_cupy: HIGGS groups of {quant.group} channels split heads of {d}")
+    if quant.padded_group % COORDS_PER_LANE or quant.padded_group > PADDED_MAX:
+        raise ValueError(f"kernels_cupy: HIGGS groups padded to {quant.padded_group} (a multiple of 8 up to 1024)")
+    if quant.code_bits not in CODE_BITS:
+        raise ValueError(f"kernels_cupy: HIGGS codes of {quant.code_bits} bits")
+
+
+def group_shape(quant: Any, hkv: int, d: int, hq: int, q_len: int) -> dict[str, int]:
+    """The sizes a launch is built from: groups ``G``, KV heads a group ``hpg``, padded group ``P``, GQA
+    ``g``, rows of a full group ``RM`` (``hpg·g·q_len``) and of each group (the last may hold fewer heads)."""
+    hpg, g = quant.group // d, hq // hkv
+    groups = quant.n_groups
+    rows = [min(hpg, hkv - i * hpg) * g * q_len for i in range(groups)]
+    return {"G": groups, "hpg": hpg, "P": quant.padded_group, "g": g, "RM": hpg * g * q_len, "rows": rows}
+
+
+def query_rows(query: torch.Tensor, shape: dict[str, int]) -> torch.Tensor:
+    """The query as ``[B, G, RM, D]`` fp32: group ``gi``'s rows (query head major, then position) first,
+    zero rows past a short last group."""
+    b, hq, q_len, d = query.shape
+    flat = query.float().reshape(b, hq * q_len, d)
+    pad = shape["G"] * shape["RM"] - hq * q_len
+    return torch.nn.functional.pad(flat, (0, 0, 0, pad)).view(b, shape["G"], shape["RM"], d).contiguous()
+
+
+def placed(rows: torch.Tensor, shape: dict[str, int], q_len: int) -> torch.Tensor:
+    """Each row at its KV head's channels of the group, zeros elsewhere: ``[B, G, RM, P]``."""
+    d = rows.shape[-1]
+    head = torch.arange(shape["RM"], device=rows.device) // (shape["g"] * q_len)
+    index = (head.unsqueeze(-1) * d + torch.arange(d, device=rows.device)).expand(*rows.shape)
+    out = rows.new_zeros(*rows.shape[:-1], shape["P"])
+    return out.scatter_(-1, index, rows)
+
+
+def rotated_queries(rows: torch.Tensor, signs: torch.Tensor, shape: dict[str, int], q_len: int) -> torch.Tensor:
+    """``qt = ((signs · q) H) / √P`` per row, ``[B, G, RM, P]`` fp32: scores are then ``s_t · (qt · y_t)``."""
+    return hadamard_transform(placed(rows, shape, q_len) * signs).contiguous()
+
+
+def group_codes(rows: torch.Tensor, code_bits: int, gi: int, p: int) -> torch.Tensor:
+    """Group ``gi``'s ``P/2`` codes of packed rows ``[..., bytes]`` as higgs.cu's lanes read them: lane ``sub``
+    loads the little-endian word of its 4 codes (2, 3 or 4 bytes from byte ``k0·bits/8``, ``k0 = gi·P/2 +
+    4·sub``) and takes code ``j`` at bit ``j·bits``; int64 ``[..., P/2]``."""
+    lanes = p // COORDS_PER_LANE
+    nbytes = code_bits // 2
+    first = (gi * (p // 2)) * code_bits // 8
+    words = rows[..., first : first + lanes * nbytes].reshape(*rows.shape[:-1], lanes, nbytes).to(torch.int64)
+    word = sum(words[..., i] << (8 * i) for i in range(nbytes))
+    shifts = torch.arange(4, device=rows.device) * code_bits
+    codes = (word.unsqueeze(-1) >> shifts) & ((1 << code_bits) - 1)
+    return codes.reshape(*rows.shape[:-1], p // 2)
+
+
+def rotation_entries(outer: torch.Tensor, p: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``kron(outer, S_p)`` as higgs_merge forms each entry: ``outer[c // p, j // p]``,
+    negated where ``popcount((c % p) & (j % p))`` is odd (the Sylvester matrix's sign), ``[len(rows), P]``."""
+    j = torch.arange(outer.shape[0] * p)
+    c = rows.unsqueeze(-1)
+    both = (c % p) & (j % p)
+    odd = sum((both >> k) & 1 for k in range(max(1, (p - 1).bit_length()))) % 2
+    return outer[c // p, j // p] * (1 - 2 * odd)
+
+
+class _Quant:
+    """A quantizer's grid, signs and outer factor on one device (copied once, not per step)."""
+
+    def __init__(self, quant: Any, device: torch.device) -> None:
+        self.grid = kernel_arg(quant.grid.to(device, torch.float32))
+        self.signs = kernel_arg(quant.signs.to(device, torch.float32))
+        self.outer = kernel_arg(quant.outer.to(device, torch.float32))
+
+
+_QUANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def quant_tensors(quant: Any, device: torch.device) -> _Quant:
+    """The cached ``_Quant`` of a quantizer on ``device``."""
+    per = _QUANTS.setdefault(quant, {})
+    if device not in per:
+        per[device] = _Quant(quant, device)
+    return per[device]
+
+
+def _window(win: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int]:
+    sinks = None if win.sinks is None or win.sinks.shape[2] == 0 else kernel_arg(win.sinks)
+    recent = None if win.recent is None or win.recent.shape[2] == 0 else kernel_arg(win.recent)
+    return sinks, recent, 0 if sinks is None else sinks.shape[2], 0 if recent is None else recent.shape[2]
+
+
+def launches(
+    state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, sms: int
+) -> tuple[list[tuple], torch.Tensor, tuple]:
+    """A step's two launches as ``(kernel, grid, shared memory, args)`` (the attention kernel, then
+    ``higgs_merge``), the ``[B·Hq·q_len, D]`` fp32 output they write, and the tensors they read (the caller
+    holds them until both are queued). ``state`` has at least one token."""
+    b, hq, q_len, d = query.shape
+    hkv = state.k_win.recent.shape[1]
+    quant = state.quant
+    shape = group_shape(quant, hkv, d, hq, q_len)
+    n_groups, p, rm = shape["G"], shape["P"], shape["RM"]
+    ks, kr, ns, nr = _window(state.k_win)
+    vs, vr, _, _ = _window(state.v_win)
+    nc = state.n_codes
+    qt_tensors = quant_tensors(quant, query.device)
+    rows = query_rows(query, shape)
+    qt = rotated_queries(rows, qt_tensors.signs, shape, q_len) if nc else None
+    kc = vc = ksc = vsc = None
+    if nc:
+        kc, ksc = kernel_arg(state.qk.codes), kernel_arg(state.qk.scales)
+        vc, vsc = kernel_arg(state.qv.codes), kernel_arg(state.qv.scales)
+    mask_t, kind, (mb, mh, mq, mt) = mask_view(mask, b, hq, q_len, ns + nc + nr)
+    rt = row_tile(rm)
+    tiles = _ceil(rm, rt)
+    splits = plan((ns, nc, nr), b * n_groups * tiles, sms, p, TOKENS_IN_FLIGHT[rt])
+    n_split = sum(s for s, _ in splits)
+    f32 = {"dtype": torch.float32, "device": query.device}
+    part_acc = torch.empty(n_split, b * n_groups, rm, p, **f32)
+    part_ml = torch.empty(n_split, b * n_groups, rm, 2, **f32)
+    n_grid = quant.grid.shape[0]
+    args = (ptr(rows), ptr(qt), ptr(kc), ptr(ksc), ptr(ks), ptr(kr), ptr(vc), ptr(vsc), ptr(vs), ptr(vr))
+    args += (i32(ns), i32(nc), i32(nr), i32(0 if kc is None else kc.shape[-1]), i32(quant.code_bits))
+    args += (ptr(qt_tensors.grid), i32(n_grid), np.uint64(0 if mask_t is None else mask_t.data_ptr()), i32(kind))
+    args += (*(np.int64(x) for x in (mb, mh, mq, mt)), i32(hkv), i32(shape["g"]), i32(q_len), i32(d), i32(p))
+    (n0, c0), (n1, c1), (_, c2) = splits
+    args += (i32(shape["hpg"]), i32(rm), i32(n_groups), i32(n0), i32(c0), i32(n1), i32(c1), i32(c2))
+    causal = mask is None and q_len > 1
+    args += (i32(causal), np.float32(scaling), i32(lanes_per_token(p)), ptr(part_acc), ptr(part_ml))
+    out = torch.empty(b * hq * q_len, d, **f32)
+    m = quant.outer.shape[0]
+    merge = (ptr(part_acc), ptr(part_ml), i32(n_split), i32(n0), i32(n1), i32(b * n_groups), i32(n_groups), i32(rm))
+    merge += (i32(p), i32(d), i32(shape["g"] * q_len), i32(hq * q_len), ptr(qt_tensors.signs), ptr(qt_tensors.outer))
+    merge += (i32(m), i32(p // m), np.float32(p**-0.5), ptr(out))
+    steps = [
+        (kernel_name(rt), (n_split, b * n_groups, tiles), shared_bytes(p, rt, n_grid), args),
+        ("higgs_merge", (b * hq * q_len,), 4 * p, merge),
+    ]
+    return steps, out, (rows, qt, kc, ksc, vc, vsc, ks, kr, vs, vr, mask_t, part_acc, part_ml)
+
+
+def attend_higgs(
+    state: Any, rule: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, Reads]:
+    """The backend protocol for format ``higgs`` (a ``HiggsState`` with keys coded after RoPE): ``(out, Reads())``."""
+    b, hq, q_len, d = query.shape
+    check_state(state, d, state.k_win.recent.shape[1])
+    if q_len > PROMPT_QUERIES:
+        from kvquant.formats.higgs import attend
+
+        return attend(state, None, query, mask, scaling)[0], Reads()
+    if not query.is_cuda:
+        raise ValueError(f"kernels_cupy: the HIGGS kernel needs CUDA tensors, got the query on {query.device}")
+    if state.n_sinks + state.n_codes + state.n_recent == 0:
+        return query.new_zeros(query.shape), Reads()
+    steps, out, _held = launches(state, query, mask, scaling, sm_count(query.device.index or 0))
+    for name, grid, shared, args in steps:
+        launch(SOURCE, name, grid, THREADS, args, shared_mem=shared)
+    return out.view(b, hq, q_len, d).to(query.dtype), Reads()

@@ -1,0 +1,185 @@
+"""``higgs.cu`` line for line in torch, on any device: what the CPU tests check the kernel's arithmetic with.
+
+The same split of the three parts (``higgs.plan``, ``higgs.split_range``), row tiles, lane groups and tokens
+in flight as a launch; the rotated queries of ``higgs.rotated_queries``; the lanes' codes read as the kernel
+reads them (``higgs.group_codes``) and looked up in the grid; per lane group an online softmax over its
+tokens with scores ``(q · k) · s_t · scaling`` and values ``acc += (p · s_t) · v``; the lane groups' merge,
+then ``higgs_merge``: the splits' log-sum-exp, the code splits' rotated sums rotated back once per row
+(``kron(outer, S_p)ᵀ``, signs, ``1/√P``) and added to the fp16 splits' plain sums. Vectorised over batch ×
+groups, lane groups and rows; slow, for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels_cupy.codes import mask_view
+from kernels_cupy.higgs import (
+    PROMPT_QUERIES,
+    TOKENS_IN_FLIGHT,
+    check_state,
+    group_codes,
+    group_shape,
+    lane_groups,
+    placed,
+    plan,
+    query_rows,
+    rotated_queries,
+    rotation_entries,
+    row_tile,
+    split_range,
+)
+from kvquant.formats.base import Reads
+
+NEG_INF = float("-inf")
+
+
+def _fp16_part(win: torch.Tensor | None, shape: dict[str, int], d: int) -> torch.Tensor | None:
+    """An fp16 part ``[B, Hkv, n, D]`` as the lanes read it: each group's heads side by side, ``[B·G, n, P]``
+    fp32 (zeros past the group's heads and in the padding)."""
+    if win is None or win.shape[2] == 0:
+        return None
+    b, hkv, n, _ = win.shape
+    groups, hpg, p = shape["G"], shape["hpg"], shape["P"]
+    x = torch.nn.functional.pad(win.float(), (0, 0, 0, 0, 0, groups * hpg - hkv))
+    x = x.view(b, groups, hpg, n, d).permute(0, 1, 3, 2, 4).reshape(b * groups, n, hpg * d)
+    return torch.nn.functional.pad(x, (0, p - hpg * d))
+
+
+def _coded_part(q: Any, quant: Any, shape: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coded tokens as the lanes read them: grid points ``[B·G, n, P]`` and scales ``[B·G, n]`` fp32."""
+    b, n, _ = q.codes.shape
+    groups, p = shape["G"], shape["P"]
+    points = torch.stack([quant.grid[group_codes(q.codes, quant.code_bits, gi, p)] for gi in range(groups)], 1)
+    scales = q.scales.float().transpose(1, 2)
+    return points.reshape(b * groups, n, p), scales.reshape(b * groups, n)
+
+
+def _tokens(state: Any, side: str, shape: dict[str, int], d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every key (or value) in the order sinks, codes, window: ``[B·G, L, P]`` and its scale ``[B·G, L]``
+    (1 for fp16 tokens); the part decides how a lane reads it."""
+    win = state.k_win if side == "k" else state.v_win
+    parts, scales = [], []
+    for x in (win.sinks, win.recent):
+        got = _fp16_part(x, shape, d)
+        parts.append(got)
+        scales.append(None if got is None else torch.ones(got.shape[:2]))
+    coded = state.qk if side == "k" else state.qv
+    if coded is not None:
+        y, s = _coded_part(coded, state.quant, shape)
+        parts.insert(1, y)
+        scales.insert(1, s)
+    return torch.cat([x for x in parts if x is not None], 1), torch.cat([x for x in scales if x is not None], 1)
+
+
+def emulate(state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, sms: int = 132) -> torch.Tensor:
+    """What ``higgs.attend_higgs`` computes on a GPU with ``sms`` SMs, ``[B, Hq, q_len, D]`` fp32, in torch."""
+    b, hq, q_len, d = query.shape
+    hkv = state.k_win.recent.shape[1]
+    check_state(state, d, hkv)
+    quant = state.quant
+    shape = group_shape(quant, hkv, d, hq, q_len)
+    groups, p, rm, g = shape["G"], shape["P"], shape["RM"], shape["g"]
+    bg = b * groups
+    ns, nr = state.n_sinks, state.n_recent
+    parts = (ns, state.n_codes, nr)
+    length = sum(parts)
+    rows = query_rows(query, shape)
+    q_plain = placed(rows, shape, q_len).reshape(bg, rm, p)
+    q_rot = rotated_queries(rows, quant.signs, shape, q_len).reshape(bg, rm, p)
+    keys, k_scale = _tokens(state, "k", shape, d)
+    values, v_scale = _tokens(state, "v", shape, d)
+    mask_t, kind, _ = mask_view(mask, b, hq, q_len, length)
+    causal = mask is None and q_len > 1
+    rt = row_tile(rm)
+    tiles = -(-rm // rt)
+    u_n = TOKENS_IN_FLIGHT[rt]
+    splits = plan(parts, bg * tiles, sms, p, u_n)
+    n_split = sum(s for s, _ in splits)
+    nseg = lane_groups(p)
+    part_acc = torch.zeros(n_split, bg, tiles * rt, p)
+    part_ml = torch.zeros(n_split, bg, tiles * rt, 2)
+    heads = torch.arange(bg)
+    b_of = (heads // groups).view(bg, 1, 1)
+    lanes = torch.arange(nseg)
+    for split in range(n_split):
+        part, tb, te = split_range(split, parts, splits)
+        for tile in range(tiles):
+            row = tile * rt + torch.arange(rt)
+            qr = (q_rot if part == 1 else q_plain)[:, (row).clamp(max=rm - 1)]  # [BG, RT, P]
+            qr = torch.where((row < rm).view(1, rt, 1), qr, 0.0)
+            hq_of = ((heads % groups).view(bg, 1) * shape["hpg"] * g + row // q_len).clamp(max=hq - 1).unsqueeze(1)
+            i_of = (row % q_len).view(1, 1, rt)
+            limit = (length - q_len + i_of + 1) if causal else torch.full_like(i_of, length)
+            m = torch.full((bg, nseg, rt), NEG_INF)
+            l_sum = torch.zeros(bg, nseg, rt)
+            acc = torch.zeros(bg, nseg, rt, p)
+            for base in range(tb, te, nseg * u_n):
+                s, tokens = [], []
+                for u in range(u_n):
+                    t = base + u * nseg + lanes
+                    tc = t.clamp(max=length - 1)
+                    dot = torch.einsum("grp,gnp->gnr", qr, keys[:, tc])
+                    x = dot * k_scale[:, tc].unsqueeze(-1) * scaling
+                    x = torch.where((t >= te).view(1, nseg, 1) | (t.view(1, nseg, 1) >= limit), NEG_INF, x)
+                    if kind == 1:
+                        x = torch.where(mask_t[b_of, hq_of, i_of, tc.view(1, nseg, 1)] != 0, x, NEG_INF)
+                    elif kind == 2:
+                        x = x + mask_t[b_of, hq_of, i_of, tc.view(1, nseg, 1)]
+                    s.append(x)
+                    tokens.append((t, tc))
+                s = torch.stack(s)  # [U, BG, nseg, RT]
+                mx = torch.maximum(m, s.amax(0))
+                seen = mx != NEG_INF
+                alpha = torch.where(seen, torch.exp(m - mx), 1.0)
+                prob = torch.where(seen, torch.exp(s - mx), 0.0)
+                l_sum = torch.where(seen, l_sum * alpha + prob.sum(0), l_sum)
+                m = torch.where(seen, mx, m)
+                acc = acc * alpha.unsqueeze(-1)
+                for u, (t, tc) in enumerate(tokens):
+                    w = torch.where((t < te).view(1, nseg, 1), prob[u] * v_scale[:, tc].unsqueeze(-1), 0.0)
+                    acc = acc + w.unsqueeze(-1) * values[:, tc].unsqueeze(2)
+            top = m.amax(1)
+            wgt = torch.where(m == NEG_INF, 0.0, torch.exp(m - top.unsqueeze(1)))
+            empty = top == NEG_INF
+            part_acc[split, :, row] = torch.where(empty.unsqueeze(-1), 0.0, (wgt.unsqueeze(-1) * acc).sum(1))
+            part_ml[split, :, row, 0] = top
+            part_ml[split, :, row, 1] = torch.where(empty, 0.0, (wgt * l_sum).sum(1))
+    return _merge(part_acc[:, :, :rm], part_ml[:, :, :rm], splits, state.quant, shape, query.shape)
+
+
+def _merge(
+    part_acc: torch.Tensor, part_ml: torch.Tensor, splits: list, quant: Any, shape: dict[str, int], qshape: torch.Size
+) -> torch.Tensor:
+    """``higgs_merge``: the splits' log-sum-exp, the rotated sums rotated back once per row, ``[B, Hq, Q, D]``."""
+    b, hq, q_len, d = qshape
+    groups, p, rm = shape["G"], shape["P"], shape["RM"]
+    n0, n1 = splits[0][0], splits[1][0]
+    ms = part_ml[..., 0]
+    top = ms.amax(0)
+    w = torch.where(ms == NEG_INF, 0.0, torch.exp(ms - top))
+    den = (w * part_ml[..., 1]).sum(0)
+    coded = torch.zeros(part_acc.shape[0], dtype=torch.bool)
+    coded[n0 : n0 + n1] = True
+    weighted = w.unsqueeze(-1) * part_acc
+    rot = weighted[coded].sum(0)  # [BG, RM, P]
+    plain = weighted[~coded].sum(0)
+    m = quant.outer.shape[0]
+    back = rot @ rotation_entries(quant.outer, p // m, torch.arange(p)).T * p**-0.5 * quant.signs
+    head = torch.arange(rm) // (shape["g"] * q_len)
+    index = (head.unsqueeze(-1) * d + torch.arange(d)).expand(*rot.shape[:-1], d)
+    out = (plain.gather(-1, index) + back.gather(-1, index)) / den.unsqueeze(-1)
+    out = torch.where((top == NEG_INF).unsqueeze(-1), 0.0, out).view(b, groups * rm, d)
+    return out[:, : hq * q_len].reshape(b, hq, q_len, d)
+
+
+def attend(state: Any, rule: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> tuple:
+    """The backend protocol over ``emulate``, as ``higgs.attend_higgs`` routes a step (a prompt to the torch
+    reference): so a CPU test can run a model's attention through the kernel's arithmetic."""
+    if query.shape[2] > PROMPT_QUERIES:
+        from kvquant.formats.higgs import attend as reference
+
+        return reference(state, rule, query, mask, scaling)
+    return emulate(state, query, mask, scaling).to(query.dtype), Reads()
