@@ -1,5 +1,5 @@
-"""CUDA kernels for AlignedKV's plane layout, KIVI/GEAR codes and HIGGS codes (keys coded after RoPE),
-compiled at first use with CuPy ``RawModule``.
+"""CUDA kernels for AlignedKV's plane layout, KIVI/GEAR codes and HIGGS codes, compiled at first use
+with CuPy ``RawModule``.
 
 Importing this package needs only torch and numpy; cupy is imported when a kernel is first
 launched. ``kernels_cupy.backend`` registers the package with ``kvquant.backends`` (which resolves

@@ -2,8 +2,8 @@
 
 ``attend(state, rule, query, mask, scaling)`` runs AlignedKV's step on the GPU (``kernels_cupy.ops``) over
 a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``, KIVI's and GEAR's decode attention over
-their codes (``kernels_cupy.codes``) and HIGGS's with keys coded after RoPE (``kernels_cupy.higgs``,
-method ``higgs_post_rope``); ``STATES`` gives layers the plane store whose appends run the pack
+their codes (``kernels_cupy.codes``) and HIGGS's, keys coded before or after RoPE (``kernels_cupy.higgs``,
+methods ``higgs`` and ``higgs_post_rope``); ``STATES`` gives layers the plane store whose appends run the pack
 kernel. ``auto`` does not pick these kernels (``Backend.auto`` False) until ``scripts/gpu_check.sh`` has
 passed on a GPU with them: this round's rewrite and the code and HIGGS kernels have not run on one yet, so
 ``backend=cupy`` is an explicit choice.
@@ -31,7 +31,7 @@ def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     """What of a model or rule these kernels lack: logit soft-capping, sliding windows, the paper's value
     rule per block (``v_block`` > 1 with ``value_rule`` token), and the block rule's ``v_block`` other than
     32 or 64; the code kernels' own (``kernels_cupy.codes.limits``) and the HIGGS kernel's
-    (``kernels_cupy.higgs.limits``: AQUA-KV's codes, keys coded before RoPE, group and head shapes)."""
+    (``kernels_cupy.higgs.limits``: AQUA-KV's codes, group and head shapes)."""
     if fmt in ("kivi", "gear"):
         return codes.limits(fmt, geometry, rule)
     if fmt in ("higgs", "aquakv"):

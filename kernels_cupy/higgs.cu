@@ -1,7 +1,7 @@
-// Decode attention over a HIGGS store whose keys were coded after RoPE (kvquant.formats.higgs, method
-// higgs_post_rope), read as stored: codes looked up in the grid in registers, never written out. The
-// torch reference is kvquant.formats.higgs.attend; kernels_cupy/higgs_emulate.py is this file line for
-// line in torch.
+// Decode attention over a HIGGS store (kvquant.formats.higgs) whose keys were coded after RoPE (method
+// higgs_post_rope: higgs_r*) or before it (method higgs: higgs_pre_r*), read as stored: codes looked up in
+// the grid in registers, never written out. The torch reference is kvquant.formats.higgs.attend;
+// kernels_cupy/higgs_emulate.py is this file line for line in torch.
 //
 // Layout (kvquant.quant.higgs; contiguous tensors): a token's codes cover the whole row of Hkv*D
 // channels, cut into G groups of `group` channels (HPG = group / D whole KV heads), each zero-padded to
@@ -16,6 +16,13 @@
 // query row placed at its head's channels of the group and rotated once per step (higgs.py, in torch).
 // Values summed in the rotated domain: sum_t p_t g_t = signs * ((sum_t p_t s_t y_t) H^T) / sqrt(P), the
 // inverse rotation taken once per query row in higgs_merge, never per token.
+// Keys coded before RoPE (PRE, rope_kind 1 or 2) cannot be scored in the rotated domain (RoPE differs per
+// token), so each token's key is rebuilt in the code splits (rebuild_key): grid points, the S_p transform
+// (butterflies in a lane, by shuffle across the token's lanes, through shared memory for strides >= 256),
+// the outer factor's mix, signs / sqrt(P), then RoPE at the token's position (cos/sin of float(position) *
+// inv_freq times rope_scale, or the layer's cos/sin tables), and scored against the plain query rows as the
+// fp16 parts are: q . k = s_t * (q . k'_t). Nothing but one round of coordinates (nseg * P <= 1024 floats,
+// two rounds alternating) lives in shared memory; values are summed as above.
 //
 // Grid (n_split, B*G, row tiles), HIGGS_THREADS threads. Splits never straddle two parts: the first n0
 // cover the sinks, the next n1 the codes, the rest the recent window, each part cut into its own chunks.
@@ -99,13 +106,136 @@ __device__ __forceinline__ float load_token(const HiggsSide& s, int seg, int cb,
     return 1.0f;
 }
 
-template <int RT, int U>
+// RoPE of a pre-RoPE key (method higgs): how the layer gives cos/sin at a coded token (HiggsState.rope).
+struct HiggsRope {
+    int kind;               // 0: keys coded after RoPE (scored in the rotated domain); 1: positions; 2: tables
+    const int* positions;   // [B, nc] int32 (kind 1)
+    const float* inv_freq;  // [D/2] (kind 1): cos/sin(float(position) * inv_freq) * scale
+    float scale;
+    const float *cos, *sin;  // [B, nc, D] fp32 (kind 2)
+};
+
+// sin and cos of an fp32 angle: the quadrant found in double (exact for any position a model reaches), the
+// remainder (|r| <= pi/4) through Cephes' sinf/cosf polynomials, so no slow-path reduction (no stack frame).
+// higgs.rope_sincos is this in torch.
+__device__ __forceinline__ void higgs_sincos(float a, float& sn, float& cs) {
+    const double x = (double)a;
+    const double kq = rint(x * 0.63661977236758134308);
+    const double rd = fma(-kq, 6.123233995736766036e-17, fma(-kq, 1.5707963267948965580, x));
+    const float r = (float)rd, r2 = r * r;
+    const float ps = fmaf(r * r2, fmaf(r2, fmaf(r2, -1.9515295891e-4f, 8.3321608736e-3f), -1.6666654611e-1f), r);
+    const float pc =
+        fmaf(r2 * r2, fmaf(r2, fmaf(r2, 2.443315711809948e-5f, -1.388731625493765e-3f), 4.166664568298827e-2f),
+             fmaf(-0.5f, r2, 1.0f));
+    const int quadrant = (int)((long long)kq & 3);
+    sn = quadrant == 0 ? ps : quadrant == 1 ? pc : quadrant == 2 ? -ps : -pc;
+    cs = quadrant == 0 ? pc : quadrant == 1 ? -ps : quadrant == 2 ? -pc : ps;
+}
+
+// Coordinate c of a group after the inverse rotation's outer mix: sum_a outer[c / p, a] * z[a * p + c % p]
+// (z: the group after the S_p transform), z[c] itself when P is a power of two (m = 1).
+__device__ __forceinline__ float higgs_mixed(const float* z, const float* outer, int m, int p, int c) {
+    if (m == 1) return z[c];
+    const float* o = outer + (c / p) * m;
+    const int lo = c % p;
+    float x = 0.0f;
+    for (int a = 0; a < m; ++a) x = fmaf(o[a], z[a * p + lo], x);
+    return x;
+}
+
+// Pre-RoPE key of token t at the lane's 8 channels cc.. of the group (zeros past the group's heads or for
+// t past the split, valid false), and its scale: the lanes' grid points, the S_p transform (butterflies in
+// the lane, then across the token's lanes by shuffles, then by shared memory for strides of 256 and up),
+// the outer mix, signs / sqrt(P) (sg), and RoPE at the token's position, pairing channel e of a head with
+// e +- D/2, both read from shared memory. Every thread of the CTA calls it (shuffles, __syncthreads);
+// zbuf holds two rounds of nseg * P floats (zr counts the rounds: one __syncthreads a round).
+__device__ __forceinline__ float rebuild_key(const HiggsSide& s, const HiggsRope& rope, int cb, int t, bool valid,
+                                             int b, int gi, int cc, int sub, int group, int ns, int nc,
+                                             int row_bytes, int G, int D, int P, int p, int m, int heads,
+                                             const float* grid, const float* sg, const float* outer, float* zbuf,
+                                             int& zr, float (&k)[8]) {
+    float x[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = 0.0f;
+    float scale = 0.0f;
+    const long long ct = (long long)b * nc + (t - ns);
+    if (valid) {
+        if (cc < P) lane_points(s.codes + ct * row_bytes, gi * (P / 2) + cc / 2, cb, grid, x);
+        scale = higgs_h2f(s.scale[ct * G + gi]);
+    }
+#pragma unroll
+    for (int h = 1; h < 8; h <<= 1) {
+        if (h >= p) break;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (j & h) continue;
+            const float a = x[j], c = x[j | h];
+            x[j] = a + c;
+            x[j | h] = a - c;
+        }
+    }
+    for (int h = 8; h < p && h < 256; h <<= 1) {
+        const bool hi = (sub & (h >> 3)) != 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float o = __shfl_xor_sync(HIGGS_FULL_MASK, x[j], h >> 3);
+            x[j] = hi ? o - x[j] : x[j] + o;
+        }
+    }
+    for (int h = 256; h < p; h <<= 1) {
+        float* z = zbuf + (zr++ & 1) * 1024 + group * P;
+        if (cc < P) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) z[cc + j] = x[j];
+        }
+        __syncthreads();
+        if (cc < P) {
+            const bool hi = (cc & h) != 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float o = z[(cc ^ h) + j];
+                x[j] = hi ? o - x[j] : x[j] + o;
+            }
+        }
+    }
+    float* z = zbuf + (zr++ & 1) * 1024 + group * P;
+    if (cc < P) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) z[cc + j] = x[j];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) k[j] = 0.0f;
+    if (valid && cc < heads * D) {
+        const int half = D / 2;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int c = cc + j, e = c % D, c2 = c - e + (e + half) % D;
+            float cs, sn;
+            if (rope.kind == 1) {
+                higgs_sincos((float)rope.positions[ct] * rope.inv_freq[e % half], sn, cs);
+                cs *= rope.scale;
+                sn *= rope.scale;
+            } else {
+                cs = rope.cos[ct * D + e];
+                sn = rope.sin[ct * D + e];
+            }
+            const float a = higgs_mixed(z, outer, m, p, c) * sg[c];
+            const float o = higgs_mixed(z, outer, m, p, c2) * sg[c2];
+            k[j] = fmaf(a, cs, (e < half ? -o : o) * sn);
+        }
+    }
+    return scale;
+}
+
+template <int RT, int U, bool PRE>
 __device__ __forceinline__ void attend_higgs(
     const float* __restrict__ q, const float* __restrict__ qt, HiggsSide ks, HiggsSide vs, int ns, int nc, int nr,
     int row_bytes, int cb, const float* __restrict__ grid_g, int n_grid, const void* mask, int mask_kind, long long mb,
     long long mh, long long mq, long long mt, int Hkv, int g, int Q, int D, int P, int HPG, int RM, int G, int n0,
-    int chunk0, int n1, int chunk1, int chunk2, int causal, float scaling, int lpt, float* __restrict__ part_acc,
-    float* __restrict__ part_ml) {
+    int chunk0, int n1, int chunk1, int chunk2, int causal, float scaling, int lpt, HiggsRope rope,
+    const float* __restrict__ signs, const float* __restrict__ outer_g, int om, int p, float inv_sqrt_p,
+    float* __restrict__ part_acc, float* __restrict__ part_ml) {
     extern __shared__ float smem[];
     const int L = ns + nc + nr;
     const int split = blockIdx.x, bg = blockIdx.y, row0 = blockIdx.z * RT;
@@ -130,14 +260,22 @@ __device__ __forceinline__ void attend_higgs(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nseg = HIGGS_THREADS / lpt, group = threadIdx.x / lpt, sub = threadIdx.x % lpt, cc = 8 * sub;
     const bool active = seg == 1 ? cc < P : cc < heads * D;
-    const int hl = cc / D;  // the lane's head within the group (fp16 parts)
+    const int hl = cc / D;  // the lane's head within the group (fp16 parts, pre-RoPE keys)
+    const bool pre = PRE && seg == 1;  // keys rebuilt per token (CTA-uniform)
 
     float* grid = smem;  // the grid's points, 2 floats each
     float* red = grid + 2 * n_grid;  // [2][HIGGS_WARPS][U][RT]: warps' partial dot products (LPT > 32)
-    float* sm_m = red + 2 * HIGGS_WARPS * U * RT;
+    float* sg = red + 2 * HIGGS_WARPS * U * RT;  // pre-RoPE keys: signs / sqrt(P) [P], outer [m][m]
+    float* outer = sg + (PRE ? P : 0);
+    float* sm_m = outer + (PRE ? om * om : 0);
     float* sm_l = sm_m + nseg * RT;
     float* sm_acc = sm_l + nseg * RT;
+    float* zbuf = sm_m;  // pre-RoPE keys: [2][1024] rounds of the groups' coordinates, before the final merge
     for (int i = threadIdx.x; i < 2 * n_grid; i += HIGGS_THREADS) grid[i] = grid_g[i];
+    if (PRE) {
+        for (int i = threadIdx.x; i < P; i += HIGGS_THREADS) sg[i] = signs[i] * inv_sqrt_p;
+        for (int i = threadIdx.x; i < om * om; i += HIGGS_THREADS) outer[i] = outer_g[i];
+    }
     __syncthreads();
 
     float qr[RT][8], acc[RT][8], m[RT], l[RT];
@@ -146,13 +284,13 @@ __device__ __forceinline__ void attend_higgs(
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         const int row = row0 + r;
-        const bool mine = r < nrows && active && (seg == 1 || hl == row / (g * Q));
+        const bool mine = r < nrows && active && ((seg == 1 && !pre) || (cc < heads * D && hl == row / (g * Q)));
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             float x = 0.0f;
             if (mine) {
                 const long long at = (long long)bg * RM + row;
-                x = seg == 1 ? qt[at * P + cc + j] : q[at * D + cc % D + j];
+                x = seg == 1 && !pre ? qt[at * P + cc + j] : q[at * D + cc % D + j];
             }
             qr[r][j] = x;
             acc[r][j] = 0.0f;
@@ -165,7 +303,7 @@ __device__ __forceinline__ void attend_higgs(
     }
 
     const int width = min(lpt, 32), wpt = lpt / 32;  // lanes of a token within a warp; warps of a token
-    int it = 0;
+    int it = 0, zr = 0;
     for (int base = tb; base < te; base += nseg * U, ++it) {
         float s[U][RT], sc[U];
 #pragma unroll
@@ -173,7 +311,10 @@ __device__ __forceinline__ void attend_higgs(
             const int t = base + u * nseg + group;
             float k[8];
             sc[u] = 0.0f;
-            if (t < te) {
+            if (pre) {
+                sc[u] = rebuild_key(ks, rope, cb, t, t < te, b, gi, cc, sub, group, ns, nc, row_bytes, G, D, P, p, om,
+                                    heads, grid, sg, outer, zbuf, zr, k);
+            } else if (t < te) {
                 sc[u] =
                     load_token(ks, seg, cb, t, b, gi, cc, active, ns, nc, nr, row_bytes, G, Hkv, HPG, D, P, grid, k);
             } else {
@@ -264,6 +405,7 @@ __device__ __forceinline__ void attend_higgs(
 
     // Merge the lane groups: m, l [nseg][RT], acc [nseg][RT][8*lpt] (lpt * 8 >= P).
     const int dp = 8 * lpt;
+    if (pre) __syncthreads();  // the last round's reads of zbuf, which the merge overwrites
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         if (sub == 0) {
@@ -353,23 +495,28 @@ extern "C" __global__ void higgs_merge(const float* __restrict__ part_acc, const
     }
 }
 
-#define HIGGS_KERNEL(NAME, RT, U)                                                                                    \
+#define HIGGS_KERNEL(NAME, RT, U, PRE)                                                                                    \
     extern "C" __global__ void __launch_bounds__(HIGGS_THREADS, 1) NAME(                                             \
         const float* q, const float* qt, const unsigned char* kcodes, const unsigned short* kscale,                  \
         const unsigned short* ksink, const unsigned short* krecent, const unsigned char* vcodes,                     \
         const unsigned short* vscale, const unsigned short* vsink, const unsigned short* vrecent, int ns, int nc,    \
         int nr, int row_bytes, int cb, const float* grid, int n_grid, const void* mask, int mask_kind, long long mb, \
         long long mh, long long mq, long long mt, int Hkv, int g, int Q, int D, int P, int HPG, int RM, int G,       \
-        int n0, int chunk0, int n1, int chunk1, int chunk2, int causal, float scaling, int lpt, float* part_acc,     \
-        float* part_ml) {                                                                                            \
+        int n0, int chunk0, int n1, int chunk1, int chunk2, int causal, float scaling, int lpt, int rope_kind,       \
+        const int* positions, const float* inv_freq, float rope_scale, const float* rope_cos, const float* rope_sin, \
+        const float* signs, const float* outer, int om, int p, float inv_sqrt_p, float* part_acc, float* part_ml) {  \
         const HiggsSide ks = {kcodes, kscale, ksink, krecent};                                                       \
         const HiggsSide vs = {vcodes, vscale, vsink, vrecent};                                                       \
-        attend_higgs<RT, U>(q, qt, ks, vs, ns, nc, nr, row_bytes, cb, grid, n_grid, mask, mask_kind, mb, mh, mq, mt, \
-                            Hkv, g, Q, D, P, HPG, RM, G, n0, chunk0, n1, chunk1, chunk2, causal, scaling, lpt,       \
-                            part_acc, part_ml);                                                                      \
+        const HiggsRope rope = {rope_kind, positions, inv_freq, rope_scale, rope_cos, rope_sin};                     \
+        attend_higgs<RT, U, PRE>(q, qt, ks, vs, ns, nc, nr, row_bytes, cb, grid, n_grid, mask, mask_kind, mb, mh, mq, mt, \
+                            Hkv, g, Q, D, P, HPG, RM, G, n0, chunk0, n1, chunk1, chunk2, causal, scaling, lpt, rope, \
+                            signs, outer, om, p, inv_sqrt_p, part_acc, part_ml);                                     \
     }
 
-HIGGS_KERNEL(higgs_r1, 1, 4)
-HIGGS_KERNEL(higgs_r2, 2, 4)
-HIGGS_KERNEL(higgs_r4, 4, 4)
-HIGGS_KERNEL(higgs_r8, 8, 2)
+HIGGS_KERNEL(higgs_r1, 1, 4, false)
+HIGGS_KERNEL(higgs_r2, 2, 4, false)
+HIGGS_KERNEL(higgs_r4, 4, 4, false)
+HIGGS_KERNEL(higgs_r8, 8, 2, false)
+HIGGS_KERNEL(higgs_pre_r1, 1, 2, true)
+HIGGS_KERNEL(higgs_pre_r4, 4, 2, true)
+HIGGS_KERNEL(higgs_pre_r8, 8, 1, true)

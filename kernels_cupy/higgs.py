@@ -1,17 +1,21 @@
-"""Decode attention over HIGGS codes with keys coded after RoPE (``higgs_post_rope``) on the GPU: ``higgs.cu``
-through the backend protocol.
+"""Decode attention over HIGGS codes (keys coded after RoPE, ``higgs_post_rope``, or before it, ``higgs``) on the
+GPU: ``higgs.cu`` through the backend protocol.
 
 ``attend_higgs`` takes a ``kvquant.formats.higgs.HiggsState`` as the method stores it (codes, scales, fp16
 sinks and window read where they lie) and returns ``(out [B, Hq, q_len, D] in the query's dtype, Reads())``,
-the torch reference ``kvquant.formats.higgs.attend`` up to fp32 summation order. Keys are scored in the
-rotated domain (each query row rotated once per step, here in torch) and values summed there, rotated
-back once per query row by the merge kernel. The launch arithmetic (lane groups, row tiles, the split of
+the torch reference ``kvquant.formats.higgs.attend`` up to fp32 summation order. Keys coded after RoPE are
+scored in the rotated domain (each query row rotated once per step, here in torch); keys coded before RoPE
+are rebuilt per token in the kernel (grid points, the inverse rotation, signs and scale, RoPE at the
+token's position from ``positions``/``inv_freq``/``rope_scale`` or the ``cos``/``sin`` tables) and scored
+against the plain query. Values are summed in the rotated domain either way, rotated back once per query
+row by the merge kernel. The launch arithmetic (lane groups, row tiles, the split of
 the three parts of the sequence, shared memory) and the argument preparation (query rows by group, the
 rotated queries, the quantizer's tensors on the device) are plain functions, so the CPU tests and
 ``kernels_cupy.higgs_emulate`` (the kernel line for line in torch) use the very same numbers.
 
-Refused: keys coded before RoPE (method ``higgs``: RoPE would have to be re-applied per token), AQUA-KV
-states, and the shapes ``limits`` names. Importing this module needs torch and numpy only; cupy is
+Refused: AQUA-KV states, the shapes ``limits`` names, and (``check_state``, per call) pre-RoPE keys whose
+RoPE inputs do not cover whole heads (tables or ``inv_freq`` narrower than the head: partial rotary) or
+are missing. Importing this module needs torch and numpy only; cupy is
 imported at the first launch.
 """
 
@@ -36,6 +40,14 @@ ROW_TILES = (1, 2, 4, 8)
 #: tokens in flight per lane group, per rows of a tile: higgs.cu's HIGGS_KERNEL instantiations (one per tile;
 #: the code width is an argument)
 TOKENS_IN_FLIGHT = {1: 4, 2: 4, 4: 4, 8: 2}
+#: the same for keys coded before RoPE (higgs.cu's ``higgs_pre_r*``): fewer tiles and tokens in flight, as
+#: each token's rebuild is inlined once per token in flight (registers, compile time)
+PRE_TOKENS_IN_FLIGHT = {1: 2, 4: 2, 8: 1}
+PRE_ROW_TILES = tuple(PRE_TOKENS_IN_FLIGHT)
+#: ``check_state``'s RoPE forms of pre-RoPE keys, as higgs.cu's ``rope_kind`` numbers them
+ROPE_KINDS = {"post_rope": 0, "positions": 1, "tables": 2}
+SHARED_STAGE = 256  # S_p butterflies of this stride and up cross warps: through shared memory
+ZBUF = 2 * 1024  # floats: two rounds of the lane groups' coordinates (nseg · P <= 1024)
 CODE_BITS = (4, 6, 8)  # HIGGS at 2, 3, 4 bits a value: 16-, 64-, 256-point grids of 2 coordinates
 PADDED_MAX = 1024  # the widest group (padded): 128 lanes of 8 coordinates, one CTA
 HEAD_DIM_MAX = 256
@@ -56,9 +68,16 @@ def lane_groups(p: int) -> int:
     return THREADS // lanes_per_token(p)
 
 
-def row_tile(rows: int) -> int:
-    """Rows of one CTA: the smallest instantiated tile holding ``rows``, else the largest (several tiles)."""
-    return next((t for t in ROW_TILES if t >= rows), ROW_TILES[-1])
+def row_tile(rows: int, pre: bool = False) -> int:
+    """Rows of one CTA: the smallest instantiated tile holding ``rows``, else the largest (several tiles);
+    ``pre``: among the pre-RoPE kernels' tiles."""
+    tiles = PRE_ROW_TILES if pre else ROW_TILES
+    return next((t for t in tiles if t >= rows), tiles[-1])
+
+
+def tokens_in_flight(rt: int, pre: bool = False) -> int:
+    """Tokens a lane group takes per step in the kernel of row tile ``rt`` (``pre``: keys coded before RoPE)."""
+    return (PRE_TOKENS_IN_FLIGHT if pre else TOKENS_IN_FLIGHT)[rt]
 
 
 def _ceil(a: int, b: int) -> int:
@@ -97,29 +116,91 @@ def split_range(split: int, parts: tuple[int, int, int], splits: list[tuple[int,
     raise ValueError(f"split beyond the plan's {sum(s for s, _ in splits)}")
 
 
-def shared_bytes(p: int, rt: int, n_grid: int) -> int:
+def shared_bytes(p: int, rt: int, n_grid: int, pre: bool = False, m: int = 1) -> int:
     """Dynamic shared memory of one CTA: the grid's points, the warps' partial dot products (two steps) and
-    m, l and the accumulators of every lane group (the final merge)."""
+    m, l and the accumulators of every lane group (the final merge); ``pre`` (keys coded before RoPE, outer
+    factor ``m × m``): also signs / √P and the outer factor, and the two rounds of the groups' coordinates
+    that the rebuild uses in the merge's place (``ZBUF`` floats when that is more)."""
     lpt, nseg = lanes_per_token(p), lane_groups(p)
-    u = TOKENS_IN_FLIGHT[rt]
-    return 4 * (2 * n_grid + 2 * WARPS * u * rt + 2 * nseg * rt + nseg * rt * COORDS_PER_LANE * lpt)
+    u = tokens_in_flight(rt, pre)
+    merge = 2 * nseg * rt + nseg * rt * COORDS_PER_LANE * lpt
+    if pre:
+        return 4 * (2 * n_grid + 2 * WARPS * u * rt + p + m * m + max(merge, ZBUF))
+    return 4 * (2 * n_grid + 2 * WARPS * u * rt + merge)
 
 
-def kernel_name(rt: int) -> str:
-    return f"higgs_r{rt}"
+def kernel_name(rt: int, pre: bool = False) -> str:
+    return f"higgs_pre_r{rt}" if pre else f"higgs_r{rt}"
+
+
+def butterfly_stages(p: int) -> list[tuple[int, str]]:
+    """The S_p transform of a pre-RoPE key as higgs.cu's ``rebuild_key`` runs it: ``(stride, where)`` per
+    butterfly stage, ``lane`` (strides 1, 2, 4: within a lane's 8 coordinates), ``warp`` (a shuffle with the
+    lane ``stride / 8`` away) or ``shared`` (strides of ``SHARED_STAGE`` and up: a round through shared
+    memory)."""
+    out, h = [], 1
+    while h < p:
+        out.append((h, "lane" if h < COORDS_PER_LANE else "warp" if h < SHARED_STAGE else "shared"))
+        h *= 2
+    return out
+
+
+def rope_partner(c: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's pairing in ``rebuild_key``: channel ``c`` of a group (heads of ``d`` side by side) is rotated with
+    ``c − e + (e + d/2) mod d`` (``e = c mod d``), taken negated below ``d/2`` (``rotate_half``): ``(partner,
+    sign)``."""
+    e = c % d
+    return c - e + (e + d // 2) % d, torch.where(e < d // 2, -1.0, 1.0)
+
+
+def rope_sincos(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``higgs_sincos`` in torch: ``(sin, cos)`` of fp32 angles, the quadrant and remainder found in float64
+    (``π/2`` in two parts), the remainder through Cephes' ``sinf``/``cosf`` polynomials in fp32."""
+    x = angle.double()
+    k = torch.round(x * 0.63661977236758134308)
+    r = ((x - k * 1.5707963267948965580) - k * 6.123233995736766036e-17).float()
+    r2 = r * r
+    ps = r * r2 * ((r2 * -1.9515295891e-4 + 8.3321608736e-3) * r2 - 1.6666654611e-1) + r
+    pc = r2 * r2 * ((r2 * 2.443315711809948e-5 - 1.388731625493765e-3) * r2 + 4.166664568298827e-2) - 0.5 * r2 + 1
+    quadrant = (k.long() % 4).unsqueeze(-1)
+    sin = torch.stack([ps, pc, -ps, -pc], -1).gather(-1, quadrant).squeeze(-1)
+    cos = torch.stack([pc, -ps, -pc, ps], -1).gather(-1, quadrant).squeeze(-1)
+    return sin, cos
+
+
+def rope_kind(state: Any) -> int:
+    """higgs.cu's ``rope_kind`` of a state: 0 for keys coded after RoPE or nothing coded (no RoPE at a read), 1
+    for ``{"positions", "inv_freq", "rope_scale"}``, 2 for ``{"cos", "sin"}`` tables."""
+    if state.qk is None or state.rope.get("post_rope"):
+        return ROPE_KINDS["post_rope"]
+    return ROPE_KINDS["tables" if state.rope.get("cos") is not None else "positions"]
+
+
+def rope_tensors(state: Any, b: int, d: int, device: torch.device) -> dict[str, Any]:
+    """The pre-RoPE kernel's RoPE arguments from ``state.rope``: int32 ``positions`` ``[B, nc]``, fp32
+    ``inv_freq`` ``[D/2]`` and ``rope_scale`` (kind 1), or fp32 ``cos``/``sin`` ``[B, nc, D]`` (kind 2), the
+    others None; contiguous on ``device``."""
+    kind, rope, nc = rope_kind(state), state.rope, state.n_codes
+    out: dict[str, Any] = {"positions": None, "inv_freq": None, "rope_scale": 1.0, "cos": None, "sin": None}
+    if kind == 1:
+        out["positions"] = kernel_arg(rope["positions"].to(device, torch.int32).expand(b, nc))
+        out["inv_freq"] = kernel_arg(rope["inv_freq"].to(device, torch.float32))
+        out["rope_scale"] = float(rope["rope_scale"])
+    elif kind == 2:
+        out["cos"] = kernel_arg(rope["cos"].to(device, torch.float32).expand(b, nc, d))
+        out["sin"] = kernel_arg(rope["sin"].to(device, torch.float32).expand(b, nc, d))
+    return out
 
 
 def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
-    """What of a model or rule this kernel lacks, one phrase each; ``rule`` is the method's
-    ``kvquant.formats.higgs.HiggsRule`` (its quantizer, and whether keys are coded after RoPE): AQUA-KV's
-    codes (a predictor's residual), keys coded before RoPE (method ``higgs``; ``check_state`` refuses such a
-    state per call too), logit soft-capping, sliding-window layers, head dims not a multiple of 8 up to 256,
-    groups that split a head or pad to more than 1024 or to a size not a multiple of 8."""
+    """What of a model or rule this kernel lacks, one phrase each; ``rule`` is the method's quantizer or
+    ``kvquant.formats.higgs.HiggsRule`` (its quantizer, and whether keys are coded after RoPE: both are read):
+    AQUA-KV's codes (a predictor's residual), logit soft-capping, sliding-window layers, head dims not a
+    multiple of 8 up to 256, groups that split a head or pad to more than 1024 or to a size not a multiple of
+    8. RoPE inputs narrower than a head (partial rotary) show only in a step's state: ``check_state``."""
     if fmt == "aquakv":
         return ["AQUA-KV codes (a cross-layer predictor's residual)"]
     missing = []
-    if rule is not None and getattr(rule, "post_rope", True) is False:
-        missing.append("keys coded before RoPE (method higgs; higgs_post_rope has a kernel)")
     if geometry.softcap is not None:
         missing.append(f"attention-logit soft-capping ({geometry.softcap})")
     if geometry.sliding_window is not None:
@@ -139,13 +220,17 @@ def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
 
 def check_state(state: Any, d: int, hkv: int) -> None:
     """What the kernel assumes of a state, one ``ValueError`` line otherwise: HIGGS codes (not AQUA-KV's),
-    keys coded after RoPE, whole heads per group, head dim and padded group as ``limits`` says."""
+    whole heads per group, head dim and padded group as ``limits`` says; keys coded before RoPE with this
+    step's RoPE inputs set and covering the whole head (``inv_freq`` of ``d/2``, tables of ``d`` channels)."""
     if state.format != "higgs":
         raise ValueError("kernels_cupy: HIGGS codes of a predictor residual (AQUA-KV) are not supported")
-    if state.qk is not None and not state.rope.get("post_rope"):
-        raise ValueError(
-            "kernels_cupy: HIGGS keys coded before RoPE (method higgs) are not supported; use higgs_post_rope"
-        )
+    kind, rope = rope_kind(state), state.rope
+    if kind == 1 and rope.get("positions") is None:
+        raise ValueError("kernels_cupy: HIGGS keys coded before RoPE without this step's RoPE inputs (state.rope)")
+    if kind == 1 and tuple(rope["inv_freq"].shape) != (d // 2,):
+        raise ValueError(f"kernels_cupy: RoPE inv_freq of shape {tuple(rope['inv_freq'].shape)} over heads of {d}")
+    if kind == 2 and (rope["cos"].shape[-1] != d or rope["sin"].shape != rope["cos"].shape):
+        raise ValueError(f"kernels_cupy: RoPE tables of {rope['cos'].shape[-1]} channels over heads of {d}")
     quant = state.quant
     if d % COORDS_PER_LANE or not COORDS_PER_LANE <= d <= HEAD_DIM_MAX:
         raise ValueError(f"kernels_cupy: the HIGGS kernel takes head_dim a multiple of 8 up to 256, got {d}")
@@ -255,15 +340,18 @@ def launches(
     nc = state.n_codes
     qt_tensors = quant_tensors(quant, query.device)
     rows = query_rows(query, shape)
-    qt = rotated_queries(rows, qt_tensors.signs, shape, q_len) if nc else None
+    rkind = rope_kind(state)
+    pre = rkind != 0
+    qt = rotated_queries(rows, qt_tensors.signs, shape, q_len) if nc and not pre else None
+    rope = rope_tensors(state, b, d, query.device)
     kc = vc = ksc = vsc = None
     if nc:
         kc, ksc = kernel_arg(state.qk.codes), kernel_arg(state.qk.scales)
         vc, vsc = kernel_arg(state.qv.codes), kernel_arg(state.qv.scales)
     mask_t, kind, (mb, mh, mq, mt) = mask_view(mask, b, hq, q_len, ns + nc + nr)
-    rt = row_tile(rm)
+    rt = row_tile(rm, pre)
     tiles = _ceil(rm, rt)
-    splits = plan((ns, nc, nr), b * n_groups * tiles, sms, p, TOKENS_IN_FLIGHT[rt])
+    splits = plan((ns, nc, nr), b * n_groups * tiles, sms, p, tokens_in_flight(rt, pre))
     n_split = sum(s for s, _ in splits)
     f32 = {"dtype": torch.float32, "device": query.device}
     part_acc = torch.empty(n_split, b * n_groups, rm, p, **f32)
@@ -276,23 +364,28 @@ def launches(
     (n0, c0), (n1, c1), (_, c2) = splits
     args += (i32(shape["hpg"]), i32(rm), i32(n_groups), i32(n0), i32(c0), i32(n1), i32(c1), i32(c2))
     causal = mask is None and q_len > 1
-    args += (i32(causal), np.float32(scaling), i32(lanes_per_token(p)), ptr(part_acc), ptr(part_ml))
-    out = torch.empty(b * hq * q_len, d, **f32)
     m = quant.outer.shape[0]
+    args += (i32(causal), np.float32(scaling), i32(lanes_per_token(p)), i32(rkind), ptr(rope["positions"]))
+    args += (ptr(rope["inv_freq"]), np.float32(rope["rope_scale"]), ptr(rope["cos"]), ptr(rope["sin"]))
+    args += (ptr(qt_tensors.signs), ptr(qt_tensors.outer), i32(m), i32(p // m), np.float32(p**-0.5))
+    args += (ptr(part_acc), ptr(part_ml))
+    out = torch.empty(b * hq * q_len, d, **f32)
     merge = (ptr(part_acc), ptr(part_ml), i32(n_split), i32(n0), i32(n1), i32(b * n_groups), i32(n_groups), i32(rm))
     merge += (i32(p), i32(d), i32(shape["g"] * q_len), i32(hq * q_len), ptr(qt_tensors.signs), ptr(qt_tensors.outer))
     merge += (i32(m), i32(p // m), np.float32(p**-0.5), ptr(out))
     steps = [
-        (kernel_name(rt), (n_split, b * n_groups, tiles), shared_bytes(p, rt, n_grid), args),
+        (kernel_name(rt, pre), (n_split, b * n_groups, tiles), shared_bytes(p, rt, n_grid, pre, m), args),
         ("higgs_merge", (b * hq * q_len,), 4 * p, merge),
     ]
-    return steps, out, (rows, qt, kc, ksc, vc, vsc, ks, kr, vs, vr, mask_t, part_acc, part_ml)
+    held = (rows, qt, kc, ksc, vc, vsc, ks, kr, vs, vr, mask_t, part_acc, part_ml, *rope.values())
+    return steps, out, held
 
 
 def attend_higgs(
     state: Any, rule: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
 ) -> tuple[torch.Tensor, Reads]:
-    """The backend protocol for format ``higgs`` (a ``HiggsState`` with keys coded after RoPE): ``(out, Reads())``."""
+    """The backend protocol for format ``higgs`` (a ``HiggsState``, keys coded before or after RoPE):
+    ``(out, Reads())``."""
     b, hq, q_len, d = query.shape
     check_state(state, d, state.k_win.recent.shape[1])
     if q_len > PROMPT_QUERIES:

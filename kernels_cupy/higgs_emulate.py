@@ -1,7 +1,10 @@
 """``higgs.cu`` line for line in torch, on any device: what the CPU tests check the kernel's arithmetic with.
 
 The same split of the three parts (``higgs.plan``, ``higgs.split_range``), row tiles, lane groups and tokens
-in flight as a launch; the rotated queries of ``higgs.rotated_queries``; the lanes' codes read as the kernel
+in flight as a launch; the rotated queries of ``higgs.rotated_queries`` (keys coded after RoPE) or, for keys
+coded before RoPE, ``rebuild_key``: the grid points, the S_p butterflies stage by stage
+(``higgs.butterfly_stages``), the outer mix, signs / √P and RoPE with ``higgs.rope_sincos`` (or the tables)
+and ``higgs.rope_partner``, scored against the plain query; the lanes' codes read as the kernel
 reads them (``higgs.group_codes``) and looked up in the grid; per lane group an online softmax over its
 tokens with scores ``(q · k) · s_t · scaling`` and values ``acc += (p · s_t) · v``; the lane groups' merge,
 then ``higgs_merge``: the splits' log-sum-exp, the code splits' rotated sums rotated back once per row
@@ -18,7 +21,7 @@ import torch
 from kernels_cupy.codes import mask_view
 from kernels_cupy.higgs import (
     PROMPT_QUERIES,
-    TOKENS_IN_FLIGHT,
+    butterfly_stages,
     check_state,
     group_codes,
     group_shape,
@@ -26,10 +29,14 @@ from kernels_cupy.higgs import (
     placed,
     plan,
     query_rows,
+    rope_kind,
+    rope_partner,
+    rope_sincos,
     rotated_queries,
     rotation_entries,
     row_tile,
     split_range,
+    tokens_in_flight,
 )
 from kvquant.formats.base import Reads
 
@@ -57,9 +64,53 @@ def _coded_part(q: Any, quant: Any, shape: dict[str, int]) -> tuple[torch.Tensor
     return points.reshape(b * groups, n, p), scales.reshape(b * groups, n)
 
 
-def _tokens(state: Any, side: str, shape: dict[str, int], d: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_channels(state: Any, shape: dict[str, int], d: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rebuild_key``'s cos and sin at each channel of a group, ``[B·G, nc, P]`` fp32: from the positions
+    (``rope_sincos(float(position) · inv_freq[e mod D/2]) · rope_scale``) or the tables, at ``e = c mod D``."""
+    rope, nc, p = state.rope, state.n_codes, shape["P"]
+    e = torch.arange(p) % d
+    if rope_kind(state) == 1:
+        angle = rope["positions"].float().expand(b, nc).unsqueeze(-1) * rope["inv_freq"].float()[e % (d // 2)]
+        sin, cos = rope_sincos(angle)
+        cos, sin = cos * float(rope["rope_scale"]), sin * float(rope["rope_scale"])
+    else:
+        cos, sin = (rope[k].float().expand(b, nc, d)[..., e] for k in ("cos", "sin"))
+    return cos.repeat_interleave(shape["G"], 0), sin.repeat_interleave(shape["G"], 0)
+
+
+def _rebuilt_keys(y: torch.Tensor, state: Any, shape: dict[str, int], d: int, b: int) -> torch.Tensor:
+    """``rebuild_key`` over the coded keys' grid points ``y`` ``[B·G, nc, P]``: the S_p butterflies (within a
+    lane, by shuffle or through shared memory: the same sums), the outer mix, signs / √P, RoPE; zeros past
+    each group's heads. The scale stays out (it multiplies the score)."""
+    quant, p_all = state.quant, shape["P"]
+    m = quant.outer.shape[0]
+    p = p_all // m
+    j = torch.arange(p_all)
+    x = y
+    for h, _where in butterfly_stages(p):
+        other = x[..., j ^ h]
+        x = torch.where((j & h) != 0, other - x, x + other)
+    if m > 1:
+        taps = torch.arange(m) * p + (j % p).unsqueeze(-1)  # [P, m]: a·p + c mod p
+        x = (x[..., taps] * quant.outer.float()[j // p]).sum(-1)
+    a = x * (quant.signs.float() * p_all**-0.5)
+    partner, sign = rope_partner(j, d)
+    o = a[..., partner.clamp(max=p_all - 1)]
+    cos, sin = _rope_channels(state, shape, d, b)
+    k = a * cos + (sign * o) * sin
+    heads = torch.tensor(_heads(shape)).repeat(b)
+    return torch.where(j.view(1, 1, -1) < (heads * d).view(-1, 1, 1), k, 0.0)
+
+
+def _heads(shape: dict[str, int]) -> list[int]:
+    """KV heads of each group (the last may hold fewer)."""
+    return [rows * shape["hpg"] // shape["RM"] for rows in shape["rows"]]
+
+
+def _tokens(state: Any, side: str, shape: dict[str, int], d: int, b: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Every key (or value) in the order sinks, codes, window: ``[B·G, L, P]`` and its scale ``[B·G, L]``
-    (1 for fp16 tokens); the part decides how a lane reads it."""
+    (1 for fp16 tokens); the part decides how a lane reads it. Keys coded before RoPE are rebuilt
+    (``_rebuilt_keys``)."""
     win = state.k_win if side == "k" else state.v_win
     parts, scales = [], []
     for x in (win.sinks, win.recent):
@@ -69,6 +120,8 @@ def _tokens(state: Any, side: str, shape: dict[str, int], d: int) -> tuple[torch
     coded = state.qk if side == "k" else state.qv
     if coded is not None:
         y, s = _coded_part(coded, state.quant, shape)
+        if side == "k" and rope_kind(state) != 0:
+            y = _rebuilt_keys(y, state, shape, d, b)
         parts.insert(1, y)
         scales.insert(1, s)
     return torch.cat([x for x in parts if x is not None], 1), torch.cat([x for x in scales if x is not None], 1)
@@ -88,14 +141,15 @@ def emulate(state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling:
     length = sum(parts)
     rows = query_rows(query, shape)
     q_plain = placed(rows, shape, q_len).reshape(bg, rm, p)
-    q_rot = rotated_queries(rows, quant.signs, shape, q_len).reshape(bg, rm, p)
-    keys, k_scale = _tokens(state, "k", shape, d)
-    values, v_scale = _tokens(state, "v", shape, d)
+    pre = rope_kind(state) != 0
+    q_rot = q_plain if pre else rotated_queries(rows, quant.signs, shape, q_len).reshape(bg, rm, p)
+    keys, k_scale = _tokens(state, "k", shape, d, b)
+    values, v_scale = _tokens(state, "v", shape, d, b)
     mask_t, kind, _ = mask_view(mask, b, hq, q_len, length)
     causal = mask is None and q_len > 1
-    rt = row_tile(rm)
+    rt = row_tile(rm, pre)
     tiles = -(-rm // rt)
-    u_n = TOKENS_IN_FLIGHT[rt]
+    u_n = tokens_in_flight(rt, pre)
     splits = plan(parts, bg * tiles, sms, p, u_n)
     n_split = sum(s for s, _ in splits)
     nseg = lane_groups(p)

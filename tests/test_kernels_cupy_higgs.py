@@ -1,7 +1,8 @@
-"""The CuPy kernel over HIGGS codes with keys coded after RoPE (kernels_cupy/higgs.cu): on CPU, the compile for
-sm_80/sm_90 (no warnings, no spills), every launch, index and split helper, and the kernel emulated line for
-line in torch (kernels_cupy.higgs_emulate) against the torch reference on states the real method wrote; on
-a GPU, the kernel itself against the reference and ``backend=cupy`` on stories260K."""
+"""The CuPy kernel over HIGGS codes, keys coded after RoPE (``higgs_post_rope``) or before it (``higgs``: rebuilt
+and re-rotated per token) (kernels_cupy/higgs.cu): on CPU, the compile for sm_80/sm_90 (no warnings, no
+spills), every launch, index and split helper, and the kernel emulated line for line in torch
+(kernels_cupy.higgs_emulate) against the torch reference on states the real methods wrote; on a GPU, the
+kernel itself against the reference and ``backend=cupy`` on stories260K."""
 
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kernels_cupy.higgs import (
     MIN_CHUNK,
+    PRE_ROW_TILES,
+    PRE_TOKENS_IN_FLIGHT,
     PROMPT_QUERIES,
     ROW_TILES,
     TOKENS_IN_FLIGHT,
     attend_higgs,
+    butterfly_stages,
     check_state,
     group_codes,
     group_shape,
@@ -37,11 +41,16 @@ from kernels_cupy.higgs import (
     plan,
     quant_tensors,
     query_rows,
+    rope_kind,
+    rope_partner,
+    rope_sincos,
+    rope_tensors,
     rotated_queries,
     rotation_entries,
     row_tile,
     shared_bytes,
     split_range,
+    tokens_in_flight,
 )
 from kernels_cupy.higgs_emulate import emulate
 from kernels_cupy.loader import SOURCE_DIR
@@ -106,7 +115,7 @@ def test_ptxas_shows_no_spills_on_sm90(compiled):
     """``ptxas -v`` on every kernel: no stack frame, no spill (the numbers in the README)."""
     log = compiled[2]
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
-    names = {f"higgs_r{rt}" for rt in ROW_TILES}
+    names = {f"higgs_r{rt}" for rt in ROW_TILES} | {f"higgs_pre_r{rt}" for rt in PRE_ROW_TILES}
     assert set(entries) == names | {"higgs_merge"}
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(frames) == len(entries) and all(f == ("0", "0", "0") for f in frames), log
@@ -125,6 +134,96 @@ def test_lane_geometry_and_row_tiles():
         assert lane_groups(p) * lpt == 128
         for rt in ROW_TILES:
             assert shared_bytes(p, rt, 256) <= 48 * 1024  # no opt-in needed
+        m = outer_factor(p).shape[0] if p <= 1024 and _has_hadamard(p) else 1
+        for rt in PRE_ROW_TILES:
+            assert shared_bytes(p, rt, 256, pre=True, m=m) <= 48 * 1024
+            assert shared_bytes(p, rt, 256, pre=True, m=m) >= 4 * (2 * 256 + p + m * m + 2 * 1024)  # + 2 rounds
+            assert lane_groups(p) * p <= 1024  # one round of rebuild_key's coordinates in half its ZBUF
+
+
+def _has_hadamard(p: int) -> bool:
+    try:
+        outer_factor(p)
+    except ValueError:
+        return False
+    return True
+
+
+def test_pre_rope_row_tiles_and_tokens_in_flight():
+    """The pre-RoPE kernels: tiles 1, 4, 8 (a row count takes the smallest that holds it), fewer tokens in flight."""
+    assert PRE_ROW_TILES == (1, 4, 8) and set(PRE_TOKENS_IN_FLIGHT) == set(PRE_ROW_TILES)
+    assert [row_tile(r, pre=True) for r in (1, 2, 3, 4, 5, 8, 9, 32)] == [1, 4, 4, 4, 8, 8, 8, 8]
+    assert [tokens_in_flight(rt) for rt in ROW_TILES] == [4, 4, 4, 2]
+    assert [tokens_in_flight(rt, pre=True) for rt in PRE_ROW_TILES] == [2, 2, 1]
+    with pytest.raises(KeyError):
+        tokens_in_flight(2, pre=True)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 8, 16, 32, 64, 256, 512, 1024])
+def test_butterfly_stages_and_their_sum_are_the_sylvester_transform(p):
+    """Strides 1, 2, 4 in the lane, up to 128 by shuffle, 256 and 512 through shared memory; the stages as
+    ``rebuild_key`` runs them (partner ``j ^ h``, ``partner − x`` where bit ``h`` is set) give ``S_p``."""
+    stages = butterfly_stages(p)
+    assert [h for h, _ in stages] == [1 << i for i in range(p.bit_length() - 1)]
+    assert all(where == ("lane" if h < 8 else "warp" if h < 256 else "shared") for h, where in stages)
+    j = torch.arange(p)
+    x = torch.eye(p)
+    for h, _ in stages:
+        other = x[..., j ^ h]
+        x = torch.where((j & h) != 0, other - x, x + other)
+    assert torch.equal(x, hadamard_matrix(p) if p > 1 else torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("d", [8, 16, 64, 128, 256])
+def test_rope_partner_is_rotate_half_per_head(d):
+    """Over heads of ``d`` side by side, ``sign · k[partner]`` is ``rotate_half`` of each head."""
+    from kvquant.quant.rope import rotate_half
+
+    c = torch.arange(3 * d)
+    partner, sign = rope_partner(c, d)
+    k = torch.randn(5, 3 * d)
+    want = rotate_half(k.view(5, 3, d)).reshape(5, 3 * d)
+    assert torch.equal(sign * k[:, partner], want)
+    assert torch.equal(partner // d, c // d)
+
+
+def test_rope_sincos_matches_sin_and_cos_at_any_position():
+    """``higgs_sincos`` (in torch) within 2 fp32 ulps of float64 sin/cos of the same fp32 angle, positions up
+    to 2^20 times Llama's inverse frequencies (``rint`` halves to even, as CUDA's)."""
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    far = torch.randint(0, 1 << 20, (2048,), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(0, 4096), far])
+    angle = pos.float().unsqueeze(-1) * inv_freq
+    angle = torch.cat([angle.flatten(), torch.tensor([0.0, -0.7853982, 0.7853982, 2.3561945, -3.1415927, 1e5])])
+    sin, cos = rope_sincos(angle)
+    assert sin.dtype == cos.dtype == torch.float32
+    ulp = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(sin.double(), angle.double().sin(), atol=2 * ulp, rtol=0)
+    torch.testing.assert_close(cos.double(), angle.double().cos(), atol=2 * ulp, rtol=0)
+
+
+def test_rope_kind_and_tensors_of_each_rope_form():
+    """``rope_kind``: 0 after RoPE or before any code, 1 positions, 2 tables; ``rope_tensors`` gives the
+    kernel's int32 positions ``[B, nc]`` / fp32 ``inv_freq`` or fp32 tables ``[B, nc, D]``, contiguous."""
+    post = higgs_layer(2, 16, 2, 1024, 4, 8, 2, 30, 1)
+    assert rope_kind(post.state) == 0
+    assert rope_tensors(post.state, 2, 16, torch.device("cpu"))["positions"] is None
+    empty = higgs_layer(2, 16, 2, 1024, 4, 8, 2, 6, 0, post_rope=False)
+    assert empty.state.qk is None and rope_kind(empty.state) == 0
+    pre = higgs_layer(2, 16, 2, 1024, 4, 8, 2, 30, 1, post_rope=False)
+    nc = pre.state.n_codes
+    assert rope_kind(pre.state) == 1
+    got = rope_tensors(pre.state, 2, 16, torch.device("cpu"))
+    assert got["positions"].dtype == torch.int32 and got["positions"].shape == (2, nc)
+    assert got["positions"].is_contiguous() and got["inv_freq"].shape == (8,) and got["cos"] is None
+    assert torch.equal(got["positions"], pre.state.rope["positions"].int())
+    assert got["rope_scale"] == pre.state.rope["rope_scale"]
+    cos, sin = higgs_format.rope_tables(pre.state.rope)
+    pre.state.rope = {"cos": cos[:1], "sin": sin[:1]}  # a table broadcast over the batch
+    assert rope_kind(pre.state) == 2
+    got = rope_tensors(pre.state, 2, 16, torch.device("cpu"))
+    assert got["cos"].shape == got["sin"].shape == (2, nc, 16) and got["cos"].is_contiguous()
+    assert got["positions"] is None and torch.equal(got["sin"][1], sin[0])
 
 
 @settings(max_examples=200, deadline=None)
@@ -241,31 +340,44 @@ def test_backend_cupy_reads_higgs_and_its_limits():
 
     from kvquant.formats.higgs import HiggsRule
 
-    assert limits("higgs", geo, HiggsRule(Higgs(256, 2, 1024), post_rope=False)) == [
-        "keys coded before RoPE (method higgs; higgs_post_rope has a kernel)"
+    for post_rope in (False, True):
+        assert limits("higgs", geo, HiggsRule(Higgs(256, 2, 1024), post_rope=post_rope)) == []
+        assert cupy.limits("higgs", geo, HiggsRule(Higgs(256, 2, 1024), post_rope=post_rope)) == []
+    assert limits("higgs", geo, HiggsRule(Higgs(256, 2, 96), post_rope=False)) == [
+        "groups of 96 channels padded to 96 over heads of 64 "
+        "(they need whole heads, padded to a multiple of 8 up to 1024)"
     ]
-    assert limits("higgs", geo, HiggsRule(Higgs(256, 2, 1024), post_rope=True)) == []
 
 
-def test_method_higgs_is_refused_when_its_cache_is_made(stories, monkeypatch):
-    """The method hands ``limits`` whether its keys are coded after RoPE (``HiggsRule``), so ``higgs``
-    (pre-RoPE keys) on ``backend=cupy`` is refused in one line before any step, not at the first read."""
+def test_method_higgs_is_accepted_when_its_cache_is_made(stories, monkeypatch):
+    """``higgs`` (pre-RoPE keys) on ``backend=cupy``: its ``HiggsRule`` passes ``limits``, the cache is made."""
     import kvquant.backends as backends
     from kvquant import get_method
-    from kvquant.errors import KvquantError
 
     cupy = backends.get_backend("cupy")
     monkeypatch.setitem(
         backends._BACKENDS, "cupy", dataclasses.replace(cupy, status=lambda: (True, "ok"), device_type="cpu")
     )
-    with pytest.raises(KvquantError, match="keys coded before RoPE"):
-        get_method("higgs", backend="cupy").new_cache(stories[0])
+    cache = get_method("higgs", backend="cupy").new_cache(stories[0])
+    assert cache.backend == "cupy" and not cache.post_rope
 
 
 def test_states_the_kernel_cannot_read_are_refused():
     pre = higgs_layer(2, 16, 2, 1024, 4, 8, 1, 30, 1, post_rope=False)
     assert pre.state.qk is not None and "positions" in pre.state.rope
-    with pytest.raises(ValueError, match="coded before RoPE"):
+    check_state(pre.state, 16, 2)
+    rope = pre.state.rope
+    pre.state.rope = {}  # codes, but no RoPE inputs for this step
+    with pytest.raises(ValueError, match="without this step's RoPE inputs"):
+        check_state(pre.state, 16, 2)
+    pre.state.rope = {**rope, "inv_freq": rope["inv_freq"][:4]}  # partial rotary
+    with pytest.raises(ValueError, match=r"inv_freq of shape \(4,\) over heads of 16"):
+        check_state(pre.state, 16, 2)
+    cos, sin = higgs_format.rope_tables(rope)
+    pre.state.rope = {"cos": cos, "sin": sin}
+    check_state(pre.state, 16, 2)
+    pre.state.rope = {"cos": cos[..., :8], "sin": sin[..., :8]}
+    with pytest.raises(ValueError, match="RoPE tables of 8 channels over heads of 16"):
         check_state(pre.state, 16, 2)
     post = higgs_layer(2, 16, 2, 1024, 4, 8, 1, 30, 1)
     check_state(post.state, 16, 2)
@@ -306,6 +418,7 @@ CASES = [
     (1, 8, 2, 32, 2, 1024, 4, 8, 90, 1, 3, None, 132),  # a causal three-token step
     (2, 4, 2, 16, 2, 1024, 4, 16, 10, 1, 1, "pad", 132),  # nothing coded yet: sinks and window only
     (3, 8, 4, 8, 2, 1024, 4, 8, 1200, 1, 1, "pad", 4),  # batch 3 left-padded, few SMs: 5 code splits
+    (2, 4, 4, 16, 2, 16, 2, 8, 60, 1, 1, "pad", 132),  # MHA, a group a head: one row a group (P 16)
 ]
 
 
@@ -328,9 +441,16 @@ def _query_and_mask(case, length, device="cpu"):
     return query.to(device), None if mask is None else mask.to(device)
 
 
-def _layer(case):
+def _layer(case, rope="post_rope"):
+    """The case's layer: ``higgs_post_rope``'s (``rope="post_rope"``), or ``higgs``'s with its RoPE given as
+    ``"positions"`` (as the layer sets it) or as ``"tables"`` (``{"cos", "sin"}`` from the same positions)."""
     b, hq, hkv, d, bits, group, sink, window, prefill, steps, q_len, mask_kind, sms = case
-    return higgs_layer(hkv, d, bits, group, sink, window, b, prefill, steps, seed=prefill + steps)
+    post_rope = rope == "post_rope"
+    layer = higgs_layer(hkv, d, bits, group, sink, window, b, prefill, steps, post_rope, seed=prefill + steps)
+    if rope == "tables" and layer.state.qk is not None:
+        cos, sin = higgs_format.rope_tables(layer.state.rope)
+        layer.state.rope = {"cos": cos, "sin": sin}
+    return layer
 
 
 def _length(state) -> int:
@@ -347,6 +467,38 @@ def test_emulated_kernel_equals_the_reference(case):
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("rope", ["positions", "tables"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_emulated_kernel_equals_the_reference_with_keys_coded_before_rope(case, rope):
+    """Method ``higgs``'s states (keys coded before RoPE, rebuilt per token with RoPE at their positions),
+    RoPE given as the layer gives it (positions, ``inv_freq``, ``rope_scale``) or as ``cos``/``sin`` tables."""
+    d, sms = case[3], case[12]
+    state = _layer(case, rope).state
+    assert rope_kind(state) == (0 if state.qk is None else {"positions": 1, "tables": 2}[rope])
+    query, mask = _query_and_mask(case, _length(state))
+    ref = higgs_format.attend(state, None, query, mask, d**-0.5)[0]
+    got = emulate(state, query, mask, d**-0.5, sms=sms)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rope", ["positions", "tables"])
+def test_emulated_pre_rope_keys_follow_their_positions(rope):
+    """The rebuilt keys are rotated at their own positions: shifting them (or the tables) by one position
+    changes the output; a wrong ``rope_scale`` too."""
+    case = CASES[1]
+    state = _layer(case, rope).state
+    query, mask = _query_and_mask(case, _length(state))
+    ref = higgs_format.attend(state, None, query, mask, 64**-0.5)[0]
+    torch.testing.assert_close(emulate(state, query, mask, 64**-0.5), ref, atol=2e-6, rtol=2e-5)
+    if rope == "positions":
+        state.rope = {**state.rope, "positions": state.rope["positions"] + 1}
+        assert not torch.allclose(emulate(state, query, mask, 64**-0.5), ref, atol=1e-4)
+        state.rope = {**state.rope, "positions": state.rope["positions"] - 1, "rope_scale": 0.5}
+    else:
+        state.rope = {"cos": state.rope["cos"].roll(1, 1), "sin": state.rope["sin"].roll(1, 1)}
+    assert not torch.allclose(emulate(state, query, mask, 64**-0.5), ref, atol=1e-4)
+
+
 def test_the_cases_cover_splits_lanes_and_parts():
     seen = set()
     for case in CASES:
@@ -356,6 +508,9 @@ def test_the_cases_cover_splits_lanes_and_parts():
         rt, parts = row_tile(shape["RM"]), (state.n_sinks, state.n_codes, state.n_recent)
         splits = plan(parts, b * shape["G"] * -(-shape["RM"] // rt), sms, shape["P"], TOKENS_IN_FLIGHT[rt])
         seen |= {("splits", min(splits[1][0], 5)), ("lanes", min(lanes_per_token(shape["P"]), 64))}
+        m = state.quant.outer.shape[0]
+        seen |= {("stages", where) for _, where in butterfly_stages(shape["P"] // m)} | {("paley", m > 1)}
+        seen |= {("pre tiles", row_tile(shape["RM"], pre=True))}
         seen |= {
             ("bits", state.quant.code_bits),
             ("tiles", shape["RM"] > rt),
@@ -364,6 +519,8 @@ def test_the_cases_cover_splits_lanes_and_parts():
         seen |= {("no sinks", not parts[0]), ("no window", not parts[2])}
     want = {("splits", 0), ("splits", 1), ("splits", 3), ("splits", 5), ("lanes", 1), ("lanes", 4), ("lanes", 64)}
     want |= {("bits", 6), ("bits", 8), ("tiles", True), ("short", True), ("no sinks", True), ("no window", True)}
+    want |= {("stages", "lane"), ("stages", "warp"), ("stages", "shared"), ("paley", True)}
+    want |= {("pre tiles", rt) for rt in PRE_ROW_TILES}
     assert want <= seen
 
 
@@ -382,21 +539,25 @@ def _signature(kernel: str) -> list[tuple[str, str]]:
 KINDS = {np.uint64: "ptr", np.int32: "int", np.int64: "long long", np.float32: "float"}
 
 
+@pytest.mark.parametrize("rope", ["post_rope", "positions", "tables"])
 @pytest.mark.parametrize("case", [CASES[i] for i in (1, 3, 7, 9)], ids=case_id)
-def test_launch_arguments_match_the_kernels_signatures(case, monkeypatch):
+def test_launch_arguments_match_the_kernels_signatures(case, rope, monkeypatch):
     """Each argument of both launches has its parameter's type, and the named sizes are the state's and the
-    plan's (a misordered argument would only show on a GPU otherwise)."""
+    plan's (a misordered argument would only show on a GPU otherwise); keys coded before RoPE take the
+    ``higgs_pre_r*`` kernels with their RoPE inputs."""
     import kernels_cupy.higgs as module
 
     monkeypatch.setattr(module, "ptr", lambda t: np.uint64(0 if t is None else t.data_ptr()))  # CPU tensors
     b, hq, hkv, d, q_len, sms = case[0], case[1], case[2], case[3], case[10], case[12]
-    state = _layer(case).state
+    state = _layer(case, rope).state
     query, mask = _query_and_mask(case, _length(state))
     (name, grid, shared, args), merge = launches(state, query, mask, d**-0.5, sms)[0]
     shape = group_shape(state.quant, hkv, d, hq, q_len)
-    rt = row_tile(shape["RM"])
+    kind = rope_kind(state)
+    pre = kind != 0
+    rt = row_tile(shape["RM"], pre)
     parts = (state.n_sinks, state.n_codes, state.n_recent)
-    splits = plan(parts, b * shape["G"] * -(-shape["RM"] // rt), sms, shape["P"], TOKENS_IN_FLIGHT[rt])
+    splits = plan(parts, b * shape["G"] * -(-shape["RM"] // rt), sms, shape["P"], tokens_in_flight(rt, pre))
     for kernel, got in ((name, args), (merge[0], merge[3])):
         params = _signature(kernel)
         assert [KINDS[type(x)] for x in got] == [kind for kind, _ in params]
@@ -404,9 +565,17 @@ def test_launch_arguments_match_the_kernels_signatures(case, monkeypatch):
     want = dict(zip(("ns", "nc", "nr", "n0", "chunk0", "n1", "chunk1"), (*parts, *splits[0], *splits[1]), strict=True))
     want |= {"chunk2": splits[2][1], "cb": state.quant.code_bits, "D": d, "P": shape["P"], "RM": shape["RM"]}
     want |= {"G": shape["G"], "HPG": shape["hpg"], "g": hq // hkv, "Q": q_len, "lpt": lanes_per_token(shape["P"])}
+    m = state.quant.outer.shape[0]
+    want |= {"rope_kind": kind, "om": m, "p": shape["P"] // m}
     assert {key: named[key] for key in want} == want
-    assert name == f"higgs_r{rt}" and grid == (sum(n for n, _ in splits), b * shape["G"], -(-shape["RM"] // rt))
-    assert shared == shared_bytes(shape["P"], rt, state.quant.grid.shape[0])
+    given = {param: x for (_, param), x in zip(_signature(name), args, strict=True)}
+    assert bool(given["positions"]) == (kind == 1) and bool(given["inv_freq"]) == (kind == 1)
+    assert bool(given["rope_cos"]) == bool(given["rope_sin"]) == (kind == 2)
+    assert bool(given["qt"]) == (not pre and state.n_codes > 0)
+    assert given["inv_sqrt_p"] == np.float32(shape["P"] ** -0.5)
+    assert name == ("higgs_pre_r" if pre else "higgs_r") + str(rt)
+    assert grid == (sum(n for n, _ in splits), b * shape["G"], -(-shape["RM"] // rt))
+    assert shared == shared_bytes(shape["P"], rt, state.quant.grid.shape[0], pre, m)
     assert merge[1] == (b * hq * q_len,) and merge[2] == 4 * shape["P"]
 
 
@@ -433,11 +602,12 @@ def emulated_backend(monkeypatch):
     return emulated.name
 
 
-def assert_follows_torch(model, tok, backend: str) -> None:
-    """``higgs_post_rope`` on ``backend`` against ``backend=torch``: one prompt, greedy over 24 steps past an
-    8-token window (tokens equal), and two prompts, the shorter left-padded (the model's own mask handed to
-    attention), fed the torch path's tokens for 10 steps (the same argmax at every step); mean KL below
-    1e-6 for both (fp32 summation order, and where an fp16 window value rounds the other way, one fp16 step)."""
+def assert_follows_torch(model, tok, backend: str, method_name: str = "higgs_post_rope") -> None:
+    """``method_name`` (``higgs_post_rope``, or ``higgs``: keys coded before RoPE) on ``backend`` against
+    ``backend=torch``: one prompt, greedy over 24 steps past an 8-token window (tokens equal), and two
+    prompts, the shorter left-padded (the model's own mask handed to attention), fed the torch path's tokens
+    for 10 steps (the same argmax at every step); mean KL below 1e-6 for both (fp32 summation order, and
+    where an fp16 window value rounds the other way, one fp16 step)."""
     from kvquant import get_method
     from kvquant.eval.fidelity import greedy_decode, kl_divergence
 
@@ -447,7 +617,7 @@ def assert_follows_torch(model, tok, backend: str) -> None:
     attn0 = (torch.arange(n)[None] >= torch.tensor([n - len(r) for r in rows])[:, None]).long().to(model.device)
     runs, logits = {}, {}
     for name in ("torch", backend):
-        method = get_method("higgs_post_rope", window=8, backend=name)
+        method = get_method(method_name, window=8, backend=name)
         with method.attach(model), torch.no_grad():
             cache = method.new_cache(model)
             runs[name] = greedy_decode(model, rows[0], cache, 24)
@@ -466,9 +636,11 @@ def assert_follows_torch(model, tok, backend: str) -> None:
     assert kl_divergence(theirs, mine).mean() < 1e-6
 
 
-def test_stories260k_through_the_emulated_kernel_follows_the_torch_backend(stories, emulated_backend):
-    """stories260K (GQA 8/4, head_dim 8, one 32-channel group) with the kernel's arithmetic in its attention."""
-    assert_follows_torch(*stories, emulated_backend)
+@pytest.mark.parametrize("method_name", ["higgs_post_rope", "higgs"])
+def test_stories260k_through_the_emulated_kernel_follows_the_torch_backend(stories, emulated_backend, method_name):
+    """stories260K (GQA 8/4, head_dim 8, one 32-channel group) with the kernel's arithmetic in its attention;
+    ``higgs``: keys rebuilt and re-rotated at their positions (the layer's positions and ``inv_freq``)."""
+    assert_follows_torch(*stories, emulated_backend, method_name)
 
 
 # ---------------------------------------------------------------- GPU: the kernel against the reference
@@ -480,13 +652,17 @@ GPU_CASES = [
 
 
 @gpu_test
+@pytest.mark.parametrize("rope", ["post_rope", "positions", "tables"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
-def test_kernel_equals_the_reference_on_the_same_state(case, dtype):
+def test_kernel_equals_the_reference_on_the_same_state(case, dtype, rope):
+    """The kernel against the reference on the same CUDA state: keys coded after RoPE, or before it with
+    RoPE from the positions or from the tables (``higgs_pre_r*``)."""
     d = case[3]
-    state = _layer(case).state
-    state.map_tensors(lambda t: t.cuda())
-    state.rope = {"post_rope": True} if state.qk is not None else {}
+    state = _layer(case, rope).state
+    given = state.rope
+    state.map_tensors(lambda t: t.cuda())  # clears state.rope
+    state.rope = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in given.items()}
     query, mask = _query_and_mask(case, _length(state), "cuda")
     query = query.to(dtype)
     ref, _ = higgs_format.attend(state, None, query.float(), mask, d**-0.5)
@@ -499,8 +675,10 @@ def test_kernel_equals_the_reference_on_the_same_state(case, dtype):
 
 
 @gpu_test
-def test_backend_cupy_generates_as_the_torch_backend_on_stories260k():
-    """``backend=cupy`` on stories260K: as ``assert_follows_torch`` (the kernel reads the codes from step one)."""
+@pytest.mark.parametrize("method_name", ["higgs_post_rope", "higgs"])
+def test_backend_cupy_generates_as_the_torch_backend_on_stories260k(method_name):
+    """``backend=cupy`` on stories260K: as ``assert_follows_torch`` (the kernel reads the codes from step one);
+    ``higgs``: the pre-RoPE kernels."""
     from kvquant import load_model
 
-    assert_follows_torch(*load_model("stories260k", device="cuda"), "cupy")
+    assert_follows_torch(*load_model("stories260k", device="cuda"), "cupy", method_name)
