@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kernels_cupy.codes import kernel_arg, mask_view
+from kernels_cupy.codes import limits as code_limits
 from kernels_cupy.loader import i32, launch, ptr, sm_count
 from kvquant.formats.base import Reads
 from kvquant.quant.hadamard import hadamard_transform
@@ -200,15 +201,9 @@ def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     8. RoPE inputs narrower than a head (partial rotary) show only in a step's state: ``check_state``."""
     if fmt == "aquakv":
         return ["AQUA-KV codes (a cross-layer predictor's residual)"]
-    missing = []
-    if geometry.softcap is not None:
-        missing.append(f"attention-logit soft-capping ({geometry.softcap})")
-    if geometry.sliding_window is not None:
-        missing.append(f"sliding-window layers ({geometry.sliding_window})")
+    missing = code_limits("higgs", geometry, rule)  # the code kernels' checks of a model: lanes of 8 channels here too
     d = geometry.head_dim
-    if d % COORDS_PER_LANE or d > HEAD_DIM_MAX:
-        missing.append(f"heads of {d} channels (they need a multiple of 8 up to 256)")
-    elif rule is not None:
+    if rule is not None and d % COORDS_PER_LANE == 0 and d <= HEAD_DIM_MAX:
         p = rule.padded_group
         if rule.group % d or p % COORDS_PER_LANE or p > PADDED_MAX:
             missing.append(
