@@ -99,27 +99,28 @@ def left_padding(b, n, pad):
 # ---------------------------------------------------------------- CPU: compile
 
 
-def _nvcc(arch: str, out: str, *extra: str) -> str:
+def nvcc_compile(source: str, arch: str, out: str, *extra: str) -> str:
+    """``kernels_cupy/<source>`` through nvcc for ``arch`` (every warning an error); the compiler's log."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not on PATH")
     # -ftz=true as CuPy compiles; -Werror all-warnings turns every warning into a failure.
     cmd = [nvcc, f"-arch={arch}", "-ftz=true", "-Werror", "all-warnings", *extra]
-    done = subprocess.run([*cmd, str(SOURCE_DIR / "codes.cu"), "-o", out], capture_output=True)
+    done = subprocess.run([*cmd, str(SOURCE_DIR / source), "-o", out], capture_output=True)
     log = (done.stdout + done.stderr).decode(errors="replace")
     assert done.returncode == 0, log
     return log
 
 
 def test_codes_cu_compiles_to_sm80_ptx_without_warnings(tmp_path):
-    log = _nvcc("sm_80", str(tmp_path / "out.ptx"), "-ptx")
+    log = nvcc_compile("codes.cu", "sm_80", str(tmp_path / "out.ptx"), "-ptx")
     assert not log.strip(), log
     assert ".entry codes_kivi_b2_r1" in (tmp_path / "out.ptx").read_text()
 
 
 def test_codes_cu_compiles_for_sm90_without_warnings_or_spills(tmp_path):
     """``ptxas -v`` on every kernel: no warning, no stack frame, no spill (the numbers in the README)."""
-    log = _nvcc("sm_90", str(tmp_path / "out.cubin"), "-cubin", "-Xptxas", "-v")
+    log = nvcc_compile("codes.cu", "sm_90", str(tmp_path / "out.cubin"), "-cubin", "-Xptxas", "-v")
     info = re.compile(r"ptxas info|bytes stack frame")
     assert not [line for line in log.splitlines() if line.strip() and not info.search(line)], log
     entries = re.findall(r"Compiling entry function '(\w+)'", log)

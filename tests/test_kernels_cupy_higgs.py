@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import torch
 import transformers as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels_cupy_codes import gpu_test, left_padding
+from test_kernels_cupy_codes import gpu_test, left_padding, nvcc_compile
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kernels_cupy.higgs import (
@@ -82,24 +81,12 @@ def higgs_layer(hkv, d, bits, group, sink, window, b, prefill, steps, post_rope=
 # ---------------------------------------------------------------- CPU: compile
 
 
-def _nvcc(arch: str, out: str, *extra: str) -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    # -ftz=true as CuPy compiles; -Werror all-warnings turns every warning into a failure.
-    cmd = [nvcc, f"-arch={arch}", "-ftz=true", "-Werror", "all-warnings", *extra]
-    done = subprocess.run([*cmd, str(SOURCE_DIR / "higgs.cu"), "-o", out], capture_output=True)
-    log = (done.stdout + done.stderr).decode(errors="replace")
-    assert done.returncode == 0, log
-    return log
-
-
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """Each compile once for the module: sm_80 PTX, and an sm_90 cubin with ``ptxas -v``'s log."""
     out = tmp_path_factory.mktemp("higgs_cu")
-    ptx_log = _nvcc("sm_80", str(out / "out.ptx"), "-ptx")
-    cubin_log = _nvcc("sm_90", str(out / "out.cubin"), "-cubin", "-Xptxas", "-v")
+    ptx_log = nvcc_compile("higgs.cu", "sm_80", str(out / "out.ptx"), "-ptx")
+    cubin_log = nvcc_compile("higgs.cu", "sm_90", str(out / "out.cubin"), "-cubin", "-Xptxas", "-v")
     return ptx_log, (out / "out.ptx").read_text(), cubin_log
 
 
