@@ -377,6 +377,27 @@ def test_block_rule_method_parameters():
             get_method("alignedkv_block", v_block=bad)
 
 
+def test_plus_block_takes_the_plus_key_widths_and_the_block_value_widths(stories):
+    """``alignedkv_plus_block`` is the two rules together: on one store and query, its key widths are
+    AlignedKV+'s (per block, from the key exponent bytes) and its value widths the block rule's, exactly;
+    each differs from the other rule's side (the widths move, so the test can fail)."""
+    model, tok = stories
+    cache = get_method("alignedkv_plus_block", v_block=16, backend="torch").new_cache(model)
+    with torch.no_grad():
+        model(story_ids(tok, 200), past_key_values=cache)
+    layer, gen = cache.layers[2], torch.Generator().manual_seed(0)
+    assert layer.store.k_exp is not None and layer.store.v_exp is not None
+    query = torch.randn(1, model.config.num_attention_heads, 1, 8, generator=gen) * 4
+    _, wk, wv = layer.decide_widths(query, None, 8**-0.5)
+    widths = {}
+    for name in ("alignedkv_plus", "alignedkv_block", "alignedkv"):
+        layer.rule = get_method(name, v_block=16).rule()
+        widths[name] = layer.decide_widths(query, None, 8**-0.5)[1:]
+    assert torch.equal(wk, widths["alignedkv_plus"][0]) and torch.equal(wv, widths["alignedkv_block"][1])
+    assert not torch.equal(wk, widths["alignedkv"][0]) and not torch.equal(wv, widths["alignedkv_plus"][1])
+    assert get_method("alignedkv_plus_block").v_block == 32
+
+
 def assert_same_reads(mine, theirs, moved: float = 1e-4) -> None:
     """Same stores; per layer, KV head and side the same elements read, at most ``moved`` of them at
     another width (and bits read within that share of 8 bits)."""
@@ -398,7 +419,13 @@ def assert_same_reads(mine, theirs, moved: float = 1e-4) -> None:
 @pytest.mark.numerics
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("alignedkv", {}), ("alignedkv_plus", {}), ("alignedkv", {"v_block": 16}), ("alignedkv_block", {})],
+    [
+        ("alignedkv", {}),
+        ("alignedkv_plus", {}),
+        ("alignedkv", {"v_block": 16}),
+        ("alignedkv_block", {}),
+        ("alignedkv_plus_block", {"v_block": 8}),
+    ],
     ids=str,
 )
 def test_the_cpu_kernel_follows_the_torch_path(stories, name, params):

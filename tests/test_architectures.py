@@ -56,7 +56,7 @@ LOSSY = ("kivi", "gear", "higgs", "aquakv")  # compress what they store
 READ_LESS = ("alignedkv", "truncation")  # store fp16, read fewer bits
 # The block rule's bound is per 32 tokens: on these tiny random layouts (a few dozen tokens, near-uniform
 # attention) it reads every element at 16 bits plus its exponent bytes; stories260k's test reads fewer.
-SAVES_NOTHING_HERE = ("alignedkv_block",)
+SAVES_NOTHING_HERE = ("alignedkv_block", "alignedkv_plus_block")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -18,7 +18,7 @@ def test_frontier_writes_csv_and_plot(tmp_path):
         "experiment.new_tokens=6",
         "experiment.keep=[9,16]",
         "experiment.margins=[0,2]",
-        "experiment.v_blocks={alignedkv:[1,64],alignedkv_plus:[1,64],alignedkv_block:[16,64]}",
+        "experiment.v_blocks={alignedkv:[1,64],alignedkv_plus:[1,64],alignedkv_block:[16,64],alignedkv_plus_block:[16]}",
     )
     rows = {r["label"]: r for r in csv.DictReader(open(fig / "frontier_alignedkv.csv"))}
     assert set(rows) == {
@@ -36,6 +36,9 @@ def test_frontier_writes_csv_and_plot(tmp_path):
         "alignedkv_block margin=2",
         "alignedkv_block v_block=16",
         "alignedkv_block v_block=64",
+        "alignedkv_plus_block margin=0",
+        "alignedkv_plus_block margin=2",
+        "alignedkv_plus_block v_block=16",
     }
     for rule in ("alignedkv", "alignedkv_plus"):  # v_block=1 is margin=0, computed once
         paper, block = rows[f"{rule} v_block=1"], rows[f"{rule} v_block=64"]
@@ -51,6 +54,7 @@ def test_frontier_writes_csv_and_plot(tmp_path):
         # every token of a block reads at least the paper rule's bits (measured here: more, on every row)
         assert float(paper["bits_read_v"]) < float(rows[label]["bits_read_v"]) <= 16.5, label
     assert rows["alignedkv_block v_block=16"]["rule"] == "alignedkv_block v_block"
+    assert float(rows["alignedkv_plus_block v_block=16"]["bits_read_v"]) > float(paper["bits_read_v"])
     assert rows["truncation keep=9"]["v_block"] == "" and float(rows["alignedkv margin=2"]["v_block"]) == 1
     full = rows["truncation keep=16"]
     assert float(full["kl"]) == 0.0 and float(full["greedy_match"]) == 1.0 and float(full["qk =0"]) == 1.0

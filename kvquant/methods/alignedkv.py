@@ -332,10 +332,19 @@ class AlignedKVBlockMethod(AlignedKVMethod):
             )
 
 
+@dataclass(frozen=True)
+class AlignedKVPlusBlockMethod(AlignedKVBlockMethod):
+    """AlignedKV+'s per-block key widths with the block-bound value rule: both read one width per block,
+    each bound from exponent bytes kept when the block was stored."""
+
+    blockwise: ClassVar[bool] = True
+
+
 register_method("alignedkv", AlignedKVMethod)
 register_method("alignedkv_block", AlignedKVBlockMethod)
 register_method("alignedkv_release", AlignedKVMethod, v_thresholds=(1, 2))
 register_method("alignedkv_plus", AlignedKVPlusMethod)
+register_method("alignedkv_plus_block", AlignedKVPlusBlockMethod)
 
 
 def width_histograms(cache: KVCache) -> list[dict[str, list[dict[int, int]]]]:
