@@ -275,7 +275,7 @@ std::tuple<at::Tensor, at::Tensor> attend_aligned(const at::Tensor& q, const Opt
                                                   const at::Tensor& tail_v, bool tiny_k, bool tiny_v, const Opt& mask,
                                                   double scaling, const at::Tensor& v8, double t12, double t8,
                                                   int64_t topk, int64_t v_block, const Opt& v_exp,
-                                                  int64_t value_block) {
+                                                  int64_t value_block, const Opt& k_absmax, bool exact_scores) {
   using namespace kvq;
   const int64_t B = q.size(0), Hkv = tail_k.size(1), D = q.size(3);
   PlaneArgs a = plane_store(B, Hkv, D, k_a, k_b, k_c, k_widths, tail_k, v_a, v_b, v_c, tail_v, tiny_k, tiny_v);
@@ -299,6 +299,17 @@ std::tuple<at::Tensor, at::Tensor> attend_aligned(const at::Tensor& q, const Opt
                 "] with a contiguous last dim, got ", e.scalar_type(), " ", e.sizes());
     rule.value_block = value_block;
     rule.v_exp = Bytes{e.data_ptr<uint8_t>(), e.stride(0), e.stride(1), e.stride(2)};
+  }
+  rule.exact_scores = exact_scores;
+  if (k_absmax.has_value()) {
+    const at::Tensor& m = *k_absmax;
+    TORCH_CHECK(m.scalar_type() == at::kHalf && m.dim() == 3 && m.size(0) == B && m.size(1) == Hkv &&
+                    m.size(2) == D && m.stride(2) == 1,
+                "aligned: k_absmax must be float16 [", B, ", ", Hkv, ", ", D, "] with a contiguous last dim, got ",
+                m.scalar_type(), " ", m.sizes());
+    rule.k_absmax = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+    rule.kab_b = m.stride(0);
+    rule.kab_h = m.stride(1);
   }
   return planes_aligned(a, problem(q, Hkv, a.nb * 64 + a.tail_n, mask, false, scaling), rule);
 }
@@ -729,6 +740,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_gear", &attend_gear, "fused attention over a GEAR store");
   m.def("attend_planes", &attend_planes, "fused attention over AlignedKV's planes at given widths");
   m.def("attend_aligned", &attend_aligned, "AlignedKV's value rule in fp64 and attention at its widths, one call");
+  m.def("aligned_rule_counts", &kvq::aligned_rule_counts, "block-rule items decided from fp32 / fp64 scores");
   m.def("exponent_gaps", &exponent_gaps, "min over channels of e_o - the exponent field of plane A, per token");
   m.def("read_plane_keys", &read_plane_keys, "AlignedKV's keys read at given widths, as fp32 [B, Hkv, L, D]");
   m.attr("avx512") = bool(KVQ_AVX512);

@@ -151,41 +151,40 @@ inline vf planes_part(const uint8_t* a, const uint8_t* b, const uint8_t* c, int 
   return halves(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
 }
 
-// 16 consecutive elements of the planes at WB bits: the AVX-512 path's byte shuffles, with the
-// per-word shifts as a shift and a word blend and the ternary logic as and/or.
+// 16 nibbles (8 bytes, the even element in the low nibble) as 16 bytes in element order: `high` puts each
+// in the byte's high half (B, read as bits 7..4 of the element's low byte), else in the low half (C).
+template <bool HIGH>
+[[gnu::always_inline]] inline __m128i nibbles16(const uint8_t* p) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(HIGH ? char(0xf0) : char(0x0f));
+  const __m128i even = _mm_and_si128(HIGH ? _mm_slli_epi16(x, 4) : x, mask);
+  const __m128i odd = _mm_and_si128(HIGH ? x : _mm_srli_epi16(x, 4), mask);
+  return _mm_unpacklo_epi8(even, odd);
+}
+
+// 16 consecutive elements of the planes at WB bits. Each element's low byte (B and C nibbles, or the
+// fill) is put together in one 16-byte register in element order and interleaved with the plane-A bytes
+// into two 8-word halves, so every step is a 128-bit op: Zen 1 splits 256-bit ops in two, and with the
+// 256-bit byte shuffles this replaced, every element read at 12 bits took 1.55x fused fp16's time, now
+// 1.22x (32x128, 16K, `scripts/bench_kernels_cpu.py --planes`). TINY applies the +-0 rule (the fill only
+// where the kept bits are not +-0); without it the fill is a plain OR.
 template <int WB, bool TINY = true>
 [[gnu::always_inline]] inline vf planes16(const uint8_t* a, const uint8_t* b, const uint8_t* c, int n) {
   if (n < W) [[unlikely]] return planes_part<WB>(a, b, c, n);
-  const __m256i to_high = _mm256_setr_epi8(-1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7,  //
-                                           -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15);
-  const __m256i hi = _mm256_shuffle_epi8(
-      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))), to_high);  // a << 8
-  if constexpr (WB == 8) {
-    const __m256i magnitude = _mm256_and_si256(hi, _mm256_set1_epi16(0x7f00));
-    const __m256i fill = TINY ? _mm256_min_epu16(magnitude, _mm256_set1_epi16(0x80)) : _mm256_set1_epi16(0x80);
-    return halves(_mm256_or_si256(hi, fill));
+  const __m128i av = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i zero = _mm_setzero_si128();
+  __m128i low;
+  if constexpr (WB == 16) {
+    low = _mm_or_si128(nibbles16<true>(b), nibbles16<false>(c));
   } else {
-    const __m256i spread = _mm256_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1,  //
-                                            4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7, -1);
-    int64_t bw;
-    std::memcpy(&bw, b, 8);
-    const __m256i bs = _mm256_shuffle_epi8(_mm256_set1_epi64x(bw), spread);
-    const __m256i bn = _mm256_blend_epi16(bs, _mm256_slli_epi16(bs, 4), 0x55);  // even words << 4
-    const __m256i nib_hi = _mm256_set1_epi16(0xf0);
-    if constexpr (WB == 12) {
-      const __m256i x = _mm256_or_si256(hi, _mm256_and_si256(bn, nib_hi));
-      const __m256i magnitude = _mm256_and_si256(x, _mm256_set1_epi16(0x7ff0));
-      const __m256i fill = TINY ? _mm256_min_epu16(magnitude, _mm256_set1_epi16(0x08)) : _mm256_set1_epi16(0x08);
-      return halves(_mm256_or_si256(x, fill));
-    } else {
-      int64_t cw;
-      std::memcpy(&cw, c, 8);
-      const __m256i cs = _mm256_shuffle_epi8(_mm256_set1_epi64x(cw), spread);
-      const __m256i cn = _mm256_blend_epi16(cs, _mm256_srli_epi16(cs, 4), 0xaa);  // odd words >> 4
-      const __m256i low = _mm256_or_si256(_mm256_and_si256(bn, nib_hi), _mm256_andnot_si256(nib_hi, cn));
-      return halves(_mm256_or_si256(hi, low));
+    const __m128i bn = WB == 12 ? nibbles16<true>(b) : zero;
+    low = _mm_or_si128(bn, _mm_set1_epi8(WB == 8 ? char(0x80) : char(0x08)));
+    if constexpr (TINY) {  // kept bits +-0: plane A's magnitude bits and the B nibble all 0
+      const __m128i kept = _mm_or_si128(_mm_and_si128(av, _mm_set1_epi8(0x7f)), bn);
+      low = _mm_andnot_si128(_mm_cmpeq_epi8(kept, zero), low);
     }
   }
+  return {_mm256_cvtph_ps(_mm_unpacklo_epi8(low, av)), _mm256_cvtph_ps(_mm_unpackhi_epi8(low, av))};
 }
 
 #else

@@ -855,7 +855,14 @@ struct AlignedRule {
   // value_block tokens and channel, the largest exponent field of plane A, v_exp [B, H, nb*64/value_block, D].
   int64_t value_block = 0;
   Bytes v_exp;
+  // The block rule decides from fp32 scores within proven bounds (planes.cpp, block_rule_fast), which
+  // need each channel's max |K| (fp16 [B, H, D], kvquant's PlaneStore.k_absmax); without it, or with
+  // exact_scores, every score is fp64.
+  const uint16_t* k_absmax = nullptr;
+  int64_t kab_b = 0, kab_h = 0;
+  bool exact_scores = false;
 };
+std::pair<int64_t, int64_t> aligned_rule_counts();
 std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P, const AlignedRule& rule);
 at::Tensor planes_exponent_gaps(const int16_t* e_o, int64_t eb, int64_t eh, const Bytes& v, int64_t B, int64_t H,
                                 int64_t L, int D);

@@ -8,6 +8,8 @@
 // Software prefetch, PF tokens ahead, of plane A and of the B/C planes the widths read there
 // (per-column key widths: the current block's; values: the widest in the group ahead); with cold
 // caches it measured a few percent faster than none (A/B in one run, 16K tokens, noisy).
+#include <atomic>
+
 #include "bits.h"
 #include "kernels.h"
 
@@ -368,6 +370,197 @@ inline void dot_channels_f64(const float* buf, const float* const* q, int D, dou
 #endif
 }
 
+// One key of the planes (block token t) at its widths, scored in fp64 as the exact path scores it.
+inline double plane_key_score(const PlaneArgs& s, int64_t b, int64_t h, int64_t t, const float* q, int D,
+                              double scaling) {
+  const int64_t j = t / KB;
+  const int o = int(t % KB);
+  const uint8_t *a = s.ka.at(b, h, j), *bp = s.kb.at(b, h, j), *cp = s.kc.at(b, h, j), *w = s.kw.at(b, h, j);
+  double acc = 0.0;
+  for (int c = 0; c < D; ++c) {
+    const uint8_t x = a[c * KB + o], bn = nibble(bp + c * KB / 2, o), cn = nibble(cp + c * KB / 2, o);
+    const int wb = w[c * s.kw_c];
+    const uint16_t bits = wb == 8 ? plane_scalar<8>(x, 0, 0) : wb == 12 ? plane_scalar<12>(x, bn, 0)
+                                                                        : plane_scalar<16>(x, bn, cn);
+    acc += double(q[c]) * double(half_to_float(bits));
+  }
+  return acc * scaling;
+}
+
+// Counts of block-rule items decided from fp32 scores and of those that needed the fp64 path
+// (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
+std::atomic<int64_t> fast_items{0}, exact_items{0};
+
+// The block rule (kvquant.alignment.block_value_widths) decided from fp32 scores where that provably
+// gives the fp64 path's widths; false (and nothing usable written) where it cannot tell, so the caller
+// runs the fp64 path. Why: the rule's fp64 scores cost more than fused fp16's whole step on AVX2.
+// Each fp32 score s~ is within dl of the exact one: an fp32 FMA chain over D products errs by at most
+// gamma_D * sum_c |q_c k_c| (gamma_D = D u / (1 - D u), u = 2^-24), and |k_c| <= 1.126 |K|max_c + 2^-14
+// for a key read at any width (the fill raises a magnitude by at most 1/8, subnormals by 2^-15). The
+// strided top-k classes' contenders (within 2 dl of the class's best) are rescored in fp64 (dx: ours and
+// torch's fp64 sums both within D 2^-53 sum|q k| of the exact one), so the top-k, the max and O_est's
+// addends are exact up to dx. Every probability then lies in p~ * [lo, hi] from those bounds and the
+// bounds of the softmax sum; O_est's exponents and each block's largest e(p) are taken at both ends, and
+// a block whose width differs between them (or a probability near underflow) sends the item to fp64.
+template <int NC>
+bool block_rule_fast(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule& rule, int64_t b, int64_t h,
+                     const std::vector<const float*>& q, const std::vector<int64_t>& moff, double* S, uint8_t* wv) {
+  const int D = P.D;
+  const int64_t L = P.L, R = int64_t(P.g) * P.Q, nv = f.s.nb * KB, kk = std::min<int64_t>(L, rule.topk);
+  if (rule.k_absmax == nullptr || D % 8 != 0) return false;
+  const uint16_t* kabs = rule.k_absmax + b * rule.kab_b + h * rule.kab_h;
+  std::vector<double> dl(R), dx(R);
+  for (int64_t r = 0; r < R; ++r) {
+    double a = 0.0;
+    for (int c = 0; c < D; ++c) a += std::fabs(double(q[r][c])) * (1.126 * double(half_to_float(kabs[c])) + 0x1p-14);
+    const double sum = std::fabs(rule.scaling) * a * 1.0001;
+    dl[r] = sum * D * 0x1p-24 / (1.0 - D * 0x1p-24);
+    dx[r] = 2.0 * sum * D * 0x1p-53 + 1e-300;
+    if (!std::isfinite(dl[r])) return false;
+  }
+  thread_local std::vector<uint8_t> ex;  // 1 where S holds an fp64 score (tail, rescored, masked)
+  ex.assign(static_cast<size_t>(R * L), 0);
+  alignas(64) float buf[SB * DMAX];
+  alignas(64) float dots[4 * BT];
+  auto st = f.state(P);
+  for (int64_t t0 = 0; t0 < L; t0 += SB) {
+    const int n = int(std::min<int64_t>(SB, L - t0));
+    const bool by_channel = f.keys(st, b, h, t0, n, D, buf);
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int nr = int(std::min<int64_t>(4, R - r0));
+      if (by_channel) {
+        by_row_count(nr, [&]<int NR>() { dot_channel_group<NR>(buf, n, &q[r0], D, dots); });
+      } else {  // the fp16 tail: fp64 as the exact path
+        for (int r = 0; r < nr; ++r)
+          for (int t = 0; t < n; ++t) {
+            double acc = 0.0;
+            for (int c = 0; c < D; ++c) acc += double(q[r0 + r][c]) * double(buf[t * NC * W + c]);
+            S[(r0 + r) * L + t0 + t] = acc * rule.scaling;
+            ex[(r0 + r) * L + t0 + t] = 1;
+          }
+      }
+      for (int r = 0; r < nr; ++r) {
+        double* srow = S + (r0 + r) * L + t0;
+        for (int t = 0; t < n; ++t) {
+          double x = by_channel ? double(dots[r * BT + t]) * rule.scaling : srow[t];
+          if (P.has_mask) {
+            const int64_t at = moff[r0 + r] + (t0 + t) * P.mask.st;
+            x = P.mask.b != nullptr ? (P.mask.b[at] ? x : -INFINITY) : x + double(P.mask.f[at]);
+          }
+          if (x == -INFINITY) ex[(r0 + r) * L + t0 + t] = 1;
+          srow[t] = x;
+        }
+      }
+    }
+  }
+  std::vector<double> hi_e(R), hi_a(R), lo_e(R), lo_a(R);
+  std::vector<int64_t> idx(static_cast<size_t>(R * kk));
+  std::vector<double> best(kk);
+  for (int64_t r = 0; r < R; ++r) {
+    double* srow = S + r * L;
+    uint8_t* e = ex.data() + r * L;
+    auto half_width = [&](int64_t t) { return e[t] ? dx[r] : dl[r]; };
+    std::fill(best.begin(), best.end(), -INFINITY);  // per class t mod kk: the largest lower bound
+    for (int64_t t0 = 0; t0 < L; t0 += kk)
+      for (int64_t j = 0, m = std::min(kk, L - t0); j < m; ++j) best[j] = std::max(best[j], srow[t0 + j] - half_width(t0 + j));
+    std::vector<double> top(kk, -INFINITY);  // then the largest fp64 score of the class's contenders
+    int64_t* id = idx.data() + r * kk;
+    for (int64_t j = 0; j < kk; ++j) id[j] = j;  // a class no key reaches: its first token, as argmax
+    for (int64_t t = 0, j = 0; t < L; ++t, j = j + 1 == kk ? 0 : j + 1) {
+      if (srow[t] == -INFINITY || srow[t] + half_width(t) < best[j]) continue;
+      if (!e[t]) {  // a contender: its fp64 score (block tokens only; the tail is fp64 already)
+        double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
+        if (P.has_mask && P.mask.b == nullptr) y += double(P.mask.f[moff[r] + t * P.mask.st]);
+        srow[t] = y;
+        e[t] = 1;
+      }
+      if (srow[t] > top[j]) {  // first on ties, as the exact path's strict >
+        top[j] = srow[t];
+        id[j] = t;
+      }
+    }
+    const double mx = max_of(srow, L);
+    if (mx == -INFINITY) {  // no key seen: every probability 0, as the exact path
+      std::fill(srow, srow + L, 0.0);
+      hi_e[r] = hi_a[r] = lo_e[r] = lo_a[r] = 1.0;
+      continue;
+    }
+    thread_local std::vector<double> shifted;
+    shifted.resize(static_cast<size_t>(L));
+    for (int64_t t = 0; t < L; ++t) shifted[t] = srow[t] - mx;
+    exp_nonpositive(shifted.data(), srow, L);
+    double ze = 0.0, za = 0.0;
+    for (int64_t t = 0; t < L; ++t) {
+      if (srow[t] < 0x1p-1000 && shifted[t] > -760.0) return false;  // near underflow: fp64 decides
+      (e[t] ? ze : za) += srow[t];
+    }
+    const double z = ze + za;
+    const double z_lo = (ze * std::exp(-dx[r]) + za * std::exp(-dl[r])) * (1 - 1e-12);
+    const double z_hi = (ze * std::exp(dx[r]) + za * std::exp(dl[r])) * (1 + 1e-12);
+    const double inv = 1.0 / z;
+    for (int64_t t = 0; t < L; ++t) srow[t] *= inv;
+    hi_e[r] = z / z_lo * std::exp(dx[r]) * (1 + 1e-12);
+    hi_a[r] = z / z_lo * std::exp(dl[r]) * (1 + 1e-12);
+    lo_e[r] = z / z_hi * std::exp(-dx[r]) * (1 - 1e-12);
+    lo_a[r] = z / z_hi * std::exp(-dl[r]) * (1 - 1e-12);
+  }
+  auto high_byte = [&](int64_t t, int c) -> uint8_t {
+    return t < nv ? f.s.va.at(b, h, t)[c] : uint8_t(f.s.tail_v.row(b, h, t - nv)[c] >> 8);
+  };
+  // O_est at both ends: its addends are exact-scored probabilities, so O_est lies in O~ * [lo_e, hi_e].
+  std::vector<double> x(static_cast<size_t>((kk + 1) * D));
+  std::vector<int32_t> eo_lo(D), eo_hi(D);
+  for (int64_t r = 0; r < R; ++r) {
+    const double* srow = S + r * L;
+    const int64_t* id = idx.data() + r * kk;
+    for (int64_t j = 0; j < kk; ++j)
+      for (int c = 0; c < D; ++c) x[j * D + c] = srow[id[j]] * double(rule.v8[high_byte(id[j], c)]);
+    for (int64_t len = kk; len > 1; len = (len + 1) / 2) {
+      if (len % 2) std::fill(x.begin() + len * D, x.begin() + (len + 1) * D, 0.0);
+      for (int64_t j = 0; j < (len + 1) / 2; ++j)
+        for (int c = 0; c < D; ++c) x[j * D + c] = x[2 * j * D + c] + x[(2 * j + 1) * D + c];
+    }
+    for (int c = 0; c < D; ++c) {
+      const int32_t a = floor_log2(x[c] * lo_e[r] * (1 - 1e-12)), z = floor_log2(x[c] * hi_e[r] * (1 + 1e-12));
+      eo_lo[c] = r == 0 ? a : std::min(eo_lo[c], a);
+      eo_hi[c] = r == 0 ? z : std::min(eo_hi[c], z);
+    }
+  }
+  std::vector<int16_t> o_lo(D), o_hi(D);
+  for (int c = 0; c < D; ++c) {
+    o_lo[c] = int16_t(std::clamp(eo_lo[c], -(1 << 14), 1 << 14) + 15);
+    o_hi[c] = int16_t(std::clamp(eo_hi[c], -(1 << 14), 1 << 14) + 15);
+  }
+  auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
+  for (int64_t t0 = 0; t0 < nv; t0 += rule.value_block) {
+    const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
+    int16_t g_lo = std::numeric_limits<int16_t>::max(), g_hi = g_lo;
+    for (int c = 0; c < D; ++c) {
+      g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - exb[c]));
+      g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - exb[c]));
+    }
+    double top_lo = 0.0, top_hi = 0.0;
+    for (int64_t r = 0; r < R; ++r) {
+      const double* srow = S + r * L;
+      const uint8_t* e = ex.data() + r * L;
+      for (int64_t t = t0; t < t0 + rule.value_block; ++t) {
+        top_hi = std::max(top_hi, srow[t] * (e[t] ? hi_e[r] : hi_a[r]));
+        top_lo = std::max(top_lo, srow[t] * (e[t] ? lo_e[r] : lo_a[r]));
+      }
+    }
+    uint8_t w;
+    if (top_hi == 0.0) {
+      w = width(float(NO_CONTRIBUTION));
+    } else {
+      const uint8_t narrow = width(float(g_hi) - float(floor_log2(top_lo)));
+      w = width(float(g_lo) - float(floor_log2(top_hi)));
+      if (w != narrow) return false;
+    }
+    std::fill(wv + t0, wv + t0 + rule.value_block, w);
+  }
+  return true;
+}
+
 // AlignedKV's whole step for one (batch row, KV head): the rule's scores in fp64 over the keys read
 // at their widths, the value rule (strided top-k, O_est by the pairwise tree, exponent gaps, v_block; or
 // the block rule's exponent bytes),
@@ -394,8 +587,10 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
   }
   alignas(64) float buf[SB * DMAX];
   auto st = f.state(P);
+  const bool fast = rule.value_block > 0 && !rule.exact_scores && block_rule_fast(f, P, rule, b, h, q, moff, S.data(), wv);
+  if (rule.value_block > 0 && !rule.exact_scores) ++(fast ? fast_items : exact_items);
   alignas(64) double dots[4 * W];
-  for (int64_t t0 = 0; t0 < L; t0 += SB) {  // logits: exact products, fp64 sums over channels
+  for (int64_t t0 = 0; !fast && t0 < L; t0 += SB) {  // logits: exact products, fp64 sums over channels
     const int n = int(std::min<int64_t>(SB, L - t0));
     const bool by_channel = f.keys(st, b, h, t0, n, D, buf);
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
@@ -423,92 +618,94 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r) {  // softmax as torch's (exp(x - max), times 1 / sum); no key seen: zeros
-    double* srow = S.data() + r * L;
-    const double mx = max_of(srow, L);
-    if (mx == -INFINITY) {
-      std::fill(srow, srow + L, 0.0);
-      continue;
-    }
-    for (int64_t t = 0; t < L; ++t) shifted[t] = srow[t] - mx;
-    exp_nonpositive(shifted.data(), srow, L);
-    const double inv = 1.0 / sum_of(srow, L);
-    for (int64_t t = 0; t < L; ++t) srow[t] *= inv;
-  }
-  auto high = [&](int64_t t) -> const uint8_t* { return t < nv ? f.s.va.at(b, h, t) : nullptr; };
-  auto high_byte = [&](int64_t t, int c) -> uint8_t {
-    const uint8_t* row = high(t);
-    return row != nullptr ? row[c] : uint8_t(f.s.tail_v.row(b, h, t - nv)[c] >> 8);
-  };
-  // O_est per row over the strided top-k (argmax of each class t mod k, first on ties), summed by the
-  // pairwise tree of kvquant.alignment.pairwise_sum; e_o = the most demanding row's exponent.
-  const int64_t kk = std::min<int64_t>(L, rule.topk);
-  std::vector<int64_t> idx(kk);
-  std::vector<double> x(static_cast<size_t>((kk + 1) * D));
-  std::vector<int16_t> e_o(D, std::numeric_limits<int16_t>::max());
-  std::vector<int32_t> e_row(D);
-  std::vector<double> best(kk);
-  for (int64_t r = 0; r < R; ++r) {
-    const double* srow = S.data() + r * L;
-    for (int64_t j = 0; j < kk; ++j) {
-      idx[j] = j;
-      best[j] = srow[j];
-    }
-    for (int64_t t0 = kk; t0 < L; t0 += kk) {  // class j = t mod kk, scanned in token order
-      const int64_t m = std::min(kk, L - t0);
-      for (int64_t j = 0; j < m; ++j) {
-        const bool above = srow[t0 + j] > best[j];
-        best[j] = above ? srow[t0 + j] : best[j];
-        idx[j] = above ? t0 + j : idx[j];
+  if (!fast) {  // the exact path: softmax, O_est, widths
+    for (int64_t r = 0; r < R; ++r) {  // softmax as torch's (exp(x - max), times 1 / sum); no key seen: zeros
+      double* srow = S.data() + r * L;
+      const double mx = max_of(srow, L);
+      if (mx == -INFINITY) {
+        std::fill(srow, srow + L, 0.0);
+        continue;
       }
+      for (int64_t t = 0; t < L; ++t) shifted[t] = srow[t] - mx;
+      exp_nonpositive(shifted.data(), srow, L);
+      const double inv = 1.0 / sum_of(srow, L);
+      for (int64_t t = 0; t < L; ++t) srow[t] *= inv;
     }
-    for (int64_t j = 0; j < kk; ++j)
-      for (int c = 0; c < D; ++c) x[j * D + c] = srow[idx[j]] * double(rule.v8[high_byte(idx[j], c)]);
-    for (int64_t len = kk; len > 1; len = (len + 1) / 2) {
-      if (len % 2) std::fill(x.begin() + len * D, x.begin() + (len + 1) * D, 0.0);
-      for (int64_t j = 0; j < (len + 1) / 2; ++j)
-        for (int c = 0; c < D; ++c) x[j * D + c] = x[2 * j * D + c] + x[(2 * j + 1) * D + c];
-    }
-    for (int c = 0; c < D; ++c) {
-      const int32_t e = floor_log2(x[c]);
-      e_row[c] = r == 0 ? e : std::min(e_row[c], e);
-    }
-  }
-  for (int c = 0; c < D; ++c) e_o[c] = int16_t(std::clamp(e_row[c], -(1 << 14), 1 << 14) + 15);
-  std::copy(S.begin(), S.begin() + nv, smax.begin());  // per block token: the largest score of any row
-  for (int64_t r = 1; r < R; ++r)
-    for (int64_t t = 0; t < nv; ++t) smax[t] = S[r * L + t] > smax[t] ? S[r * L + t] : smax[t];
-  auto score_exponent = [&](int64_t t) {  // the largest e(s) of any row, as torch's max of floor_log2
-    int32_t e = floor_log2(smax[t]);
-    if (e < ZERO_EXPONENT)  // a subnormal top score: the reference's max over rows counts a zero row as 2^-1024
-      for (int64_t r = 0; r < R; ++r) e = S[r * L + t] == 0.0 ? ZERO_EXPONENT : e;
-    return e;
-  };
-  auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
-  if (rule.value_block > 0) {  // the block rule: one gap per block, from its exponent bytes, no plane-A pass
-    for (int64_t t0 = 0; t0 < nv; t0 += rule.value_block) {
-      const uint8_t* ex = rule.v_exp.at(b, h, t0 / rule.value_block);
-      int16_t g = std::numeric_limits<int16_t>::max();
-      for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ex[c]));
-      int32_t e = ZERO_EXPONENT;
-      double top = 0.0;
-      for (int64_t t = t0; t < t0 + rule.value_block; ++t) {
-        e = std::max(e, score_exponent(t));
-        top = smax[t] > top ? smax[t] : top;
-      }
-      std::fill(wv + t0, wv + t0 + rule.value_block, width(top == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(e)));
-    }
-  } else {
-    for (int64_t t = 0; t < nv; ++t) {  // the gap, then the width (8 / 12 / 16)
+    auto high = [&](int64_t t) -> const uint8_t* { return t < nv ? f.s.va.at(b, h, t) : nullptr; };
+    auto high_byte = [&](int64_t t, int c) -> uint8_t {
       const uint8_t* row = high(t);
-      int16_t g = std::numeric_limits<int16_t>::max();
-      for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ((row[c] >> 2) & 0x1f)));
-      wv[t] = width(smax[t] == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(score_exponent(t)));
+      return row != nullptr ? row[c] : uint8_t(f.s.tail_v.row(b, h, t - nv)[c] >> 8);
+    };
+    // O_est per row over the strided top-k (argmax of each class t mod k, first on ties), summed by the
+    // pairwise tree of kvquant.alignment.pairwise_sum; e_o = the most demanding row's exponent.
+    const int64_t kk = std::min<int64_t>(L, rule.topk);
+    std::vector<int64_t> idx(kk);
+    std::vector<double> x(static_cast<size_t>((kk + 1) * D));
+    std::vector<int16_t> e_o(D, std::numeric_limits<int16_t>::max());
+    std::vector<int32_t> e_row(D);
+    std::vector<double> best(kk);
+    for (int64_t r = 0; r < R; ++r) {
+      const double* srow = S.data() + r * L;
+      for (int64_t j = 0; j < kk; ++j) {
+        idx[j] = j;
+        best[j] = srow[j];
+      }
+      for (int64_t t0 = kk; t0 < L; t0 += kk) {  // class j = t mod kk, scanned in token order
+        const int64_t m = std::min(kk, L - t0);
+        for (int64_t j = 0; j < m; ++j) {
+          const bool above = srow[t0 + j] > best[j];
+          best[j] = above ? srow[t0 + j] : best[j];
+          idx[j] = above ? t0 + j : idx[j];
+        }
+      }
+      for (int64_t j = 0; j < kk; ++j)
+        for (int c = 0; c < D; ++c) x[j * D + c] = srow[idx[j]] * double(rule.v8[high_byte(idx[j], c)]);
+      for (int64_t len = kk; len > 1; len = (len + 1) / 2) {
+        if (len % 2) std::fill(x.begin() + len * D, x.begin() + (len + 1) * D, 0.0);
+        for (int64_t j = 0; j < (len + 1) / 2; ++j)
+          for (int c = 0; c < D; ++c) x[j * D + c] = x[2 * j * D + c] + x[(2 * j + 1) * D + c];
+      }
+      for (int c = 0; c < D; ++c) {
+        const int32_t e = floor_log2(x[c]);
+        e_row[c] = r == 0 ? e : std::min(e_row[c], e);
+      }
     }
-    for (int64_t t0 = 0; rule.v_block > 1 && t0 < nv; t0 += rule.v_block) {  // each v_block at its widest
-      const int64_t te = std::min(nv, t0 + rule.v_block);
-      const uint8_t w = *std::max_element(wv + t0, wv + te);
-      std::fill(wv + t0, wv + te, w);
+    for (int c = 0; c < D; ++c) e_o[c] = int16_t(std::clamp(e_row[c], -(1 << 14), 1 << 14) + 15);
+    std::copy(S.begin(), S.begin() + nv, smax.begin());  // per block token: the largest score of any row
+    for (int64_t r = 1; r < R; ++r)
+      for (int64_t t = 0; t < nv; ++t) smax[t] = S[r * L + t] > smax[t] ? S[r * L + t] : smax[t];
+    auto score_exponent = [&](int64_t t) {  // the largest e(s) of any row, as torch's max of floor_log2
+      int32_t e = floor_log2(smax[t]);
+      if (e < ZERO_EXPONENT)  // a subnormal top score: the reference's max over rows counts a zero row as 2^-1024
+        for (int64_t r = 0; r < R; ++r) e = S[r * L + t] == 0.0 ? ZERO_EXPONENT : e;
+      return e;
+    };
+    auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
+    if (rule.value_block > 0) {  // the block rule: one gap per block, from its exponent bytes, no plane-A pass
+      for (int64_t t0 = 0; t0 < nv; t0 += rule.value_block) {
+        const uint8_t* ex = rule.v_exp.at(b, h, t0 / rule.value_block);
+        int16_t g = std::numeric_limits<int16_t>::max();
+        for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ex[c]));
+        int32_t e = ZERO_EXPONENT;
+        double top = 0.0;
+        for (int64_t t = t0; t < t0 + rule.value_block; ++t) {
+          e = std::max(e, score_exponent(t));
+          top = smax[t] > top ? smax[t] : top;
+        }
+        std::fill(wv + t0, wv + t0 + rule.value_block, width(top == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(e)));
+      }
+    } else {
+      for (int64_t t = 0; t < nv; ++t) {  // the gap, then the width (8 / 12 / 16)
+        const uint8_t* row = high(t);
+        int16_t g = std::numeric_limits<int16_t>::max();
+        for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ((row[c] >> 2) & 0x1f)));
+        wv[t] = width(smax[t] == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(score_exponent(t)));
+      }
+      for (int64_t t0 = 0; rule.v_block > 1 && t0 < nv; t0 += rule.v_block) {  // each v_block at its widest
+        const int64_t te = std::min(nv, t0 + rule.v_block);
+        const uint8_t w = *std::max_element(wv + t0, wv + te);
+        std::fill(wv + t0, wv + te, w);
+      }
     }
   }
   alignas(64) float p[NRMAX * BT];
@@ -554,6 +751,8 @@ std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P,
   });
   return {out, wv};
 }
+
+std::pair<int64_t, int64_t> aligned_rule_counts() { return {fast_items.load(), exact_items.load()}; }
 
 at::Tensor planes_read_keys(const PlaneArgs& a, int64_t B, int64_t H, int D) {
   const int64_t L = a.nb * KB + a.tail_n;
