@@ -6,7 +6,8 @@ launched. ``kernels_cupy.backend`` registers the package with ``kvquant.backends
 ``method.backend``) and implements its ``attend`` protocol; the kernels are in ``kernels_cupy.ops``
 (``append``, ``qk``, ``value_exponents``, ``sv``, ``aligned_attention``), ``KernelPlaneStore`` is the
 plane store whose appends run the pack kernel, and their oracle is ``kernels_cupy.reference``;
-``kernels_cupy.codes`` and ``kernels_cupy.higgs`` attend over the other formats' codes.
+``kernels_cupy.codes`` and ``kernels_cupy.higgs`` attend over the other formats' codes,
+``kernels_cupy.aquakv`` over AQUA-KV's decoded workspace.
 """
 
 from __future__ import annotations

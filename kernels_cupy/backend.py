@@ -2,10 +2,12 @@
 
 ``attend(state, rule, query, mask, scaling)`` runs AlignedKV's step on the GPU (``kernels_cupy.ops``) over
 a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``, KIVI's and GEAR's decode attention over
-their codes (``kernels_cupy.codes``) and HIGGS's, keys coded before or after RoPE (``kernels_cupy.higgs``,
-methods ``higgs`` and ``higgs_post_rope``); ``STATES`` gives layers the plane store whose appends run the pack
-kernel. ``auto`` does not pick these kernels (``Backend.auto`` False) until ``scripts/gpu_check.sh`` has
-passed on a GPU with them: this round's rewrite and the code and HIGGS kernels have not run on one yet, so
+their codes (``kernels_cupy.codes``), HIGGS's, keys coded before or after RoPE (``kernels_cupy.higgs``,
+methods ``higgs`` and ``higgs_post_rope``), and AQUA-KV's over its cache's decoded workspace
+(``kernels_cupy.aquakv``, whose ``aquakv_reconstruct`` and ``aquakv_encode`` the cache calls through
+``Backend.kernel``); ``STATES`` gives layers the plane store whose appends run the pack kernel. ``auto``
+does not pick these kernels (``Backend.auto`` False) until ``scripts/gpu_check.sh`` has passed on a GPU
+with them: this round's rewrite and the code, HIGGS and AQUA-KV kernels have not run on one yet, so
 ``backend=cupy`` is an explicit choice.
 """
 
@@ -15,11 +17,15 @@ from typing import Any
 
 import torch
 
-from kernels_cupy import codes, higgs
+from kernels_cupy import aquakv, codes, higgs
+from kernels_cupy.aquakv import encode as aquakv_encode
+from kernels_cupy.aquakv import reconstruct as aquakv_reconstruct
 from kernels_cupy.loader import cupy_status
 from kernels_cupy.store import KernelPlaneStore
 from kvquant.backends import Backend, register_backend
 from kvquant.formats.base import Reads, causal_allowed
+
+__all__ = ["ATTEND", "STATES", "aquakv_encode", "aquakv_reconstruct", "attend", "limits"]
 
 STATES = {"planes": KernelPlaneStore}
 
@@ -30,12 +36,14 @@ BLOCK_RULE_V_BLOCKS = (32, 64)  # the block rule's v_block here: whole warps of 
 def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     """What of a model or rule these kernels lack: logit soft-capping, sliding windows, the paper's value
     rule per block (``v_block`` > 1 with ``value_rule`` token), and the block rule's ``v_block`` other than
-    32 or 64; the code kernels' own (``kernels_cupy.codes.limits``) and the HIGGS kernel's
-    (``kernels_cupy.higgs.limits``: AQUA-KV's codes, group and head shapes)."""
+    32 or 64; the code kernels' own (``kernels_cupy.codes.limits``), the HIGGS kernel's
+    (``kernels_cupy.higgs.limits``: group and head shapes) and AQUA-KV's (``kernels_cupy.aquakv.limits``)."""
     if fmt in ("kivi", "gear"):
         return codes.limits(fmt, geometry, rule)
-    if fmt in ("higgs", "aquakv"):
+    if fmt == "higgs":
         return higgs.limits(fmt, geometry, rule)
+    if fmt == "aquakv":
+        return aquakv.limits(fmt, geometry, rule)
     missing = []
     if geometry.softcap is not None:
         missing.append(f"attention-logit soft-capping ({geometry.softcap})")
@@ -72,6 +80,7 @@ ATTEND = {
     "kivi": codes.attend_codes,
     "gear": codes.attend_gear,
     "higgs": higgs.attend_higgs,
+    "aquakv": aquakv.attend_aquakv,
 }
 
 

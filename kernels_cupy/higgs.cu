@@ -143,25 +143,35 @@ __device__ __forceinline__ float higgs_mixed(const float* z, const float* outer,
     return x;
 }
 
-// Pre-RoPE key of token t at the lane's 8 channels cc.. of the group (zeros past the group's heads or for
-// t past the split, valid false), and its scale: the lanes' grid points, the S_p transform (butterflies in
-// the lane, then across the token's lanes by shuffles, then by shared memory for strides of 256 and up),
-// the outer mix, signs / sqrt(P) (sg), and RoPE at the token's position, pairing channel e of a head with
-// e +- D/2, both read from shared memory. Every thread of the CTA calls it (shuffles, __syncthreads);
-// zbuf holds two rounds of nseg * P floats (zr counts the rounds: one __syncthreads a round).
-__device__ __forceinline__ float rebuild_key(const HiggsSide& s, const HiggsRope& rope, int cb, int t, bool valid,
-                                             int b, int gi, int cc, int sub, int group, int ns, int nc,
-                                             int row_bytes, int G, int D, int P, int p, int m, int heads,
-                                             const float* grid, const float* sg, const float* outer, float* zbuf,
-                                             int& zr, float (&k)[8]) {
+// cos and sin of RoPE at channel e of a head of D for coded token ct: cos/sin(float(position) * inv_freq[e mod
+// D/2]) * scale (kind 1), or the tables (kind 2).
+__device__ __forceinline__ void higgs_rope_at(const HiggsRope& rope, long long ct, int e, int D, float& cs, float& sn) {
+    if (rope.kind == 1) {
+        higgs_sincos((float)rope.positions[ct] * rope.inv_freq[e % (D / 2)], sn, cs);
+        cs *= rope.scale;
+        sn *= rope.scale;
+    } else {
+        cs = rope.cos[ct * D + e];
+        sn = rope.sin[ct * D + e];
+    }
+}
+
+// Group gi of coded row ct (zeros for an invalid one) after the inverse rotation's S_p transform, left in zbuf
+// for the outer mix (higgs_mixed); returns its scale (0 when invalid). The lanes' grid points, the butterflies
+// in the lane, then across the token's lanes by shuffles, then by shared memory for strides of 256 and up.
+// Every thread of the CTA calls it (shuffles, __syncthreads); zbuf holds two rounds of nseg * P floats (zr
+// counts the rounds: one __syncthreads a round); z is set to this lane group's P floats of the last round.
+__device__ __forceinline__ float higgs_unrotate(const unsigned char* codes, const unsigned short* scales, int cb,
+                                                long long ct, bool valid, int gi, int cc, int sub, int group,
+                                                int row_bytes, int G, int P, int p, const float* grid, float* zbuf,
+                                                int& zr, const float*& zout) {
     float x[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) x[j] = 0.0f;
     float scale = 0.0f;
-    const long long ct = (long long)b * nc + (t - ns);
     if (valid) {
-        if (cc < P) lane_points(s.codes + ct * row_bytes, gi * (P / 2) + cc / 2, cb, grid, x);
-        scale = higgs_h2f(s.scale[ct * G + gi]);
+        if (cc < P) lane_points(codes + ct * row_bytes, gi * (P / 2) + cc / 2, cb, grid, x);
+        scale = higgs_h2f(scales[ct * G + gi]);
     }
 #pragma unroll
     for (int h = 1; h < 8; h <<= 1) {
@@ -204,6 +214,23 @@ __device__ __forceinline__ float rebuild_key(const HiggsSide& s, const HiggsRope
         for (int j = 0; j < 8; ++j) z[cc + j] = x[j];
     }
     __syncthreads();
+    zout = z;
+    return scale;
+}
+
+// Pre-RoPE key of token t at the lane's 8 channels cc.. of the group (zeros past the group's heads or for
+// t past the split, valid false), and its scale: higgs_unrotate, the outer mix, signs / sqrt(P) (sg), and
+// RoPE at the token's position, pairing channel e of a head with e +- D/2, both read from shared memory.
+// Every thread of the CTA calls it (higgs_unrotate).
+__device__ __forceinline__ float rebuild_key(const HiggsSide& s, const HiggsRope& rope, int cb, int t, bool valid,
+                                             int b, int gi, int cc, int sub, int group, int ns, int nc,
+                                             int row_bytes, int G, int D, int P, int p, int m, int heads,
+                                             const float* grid, const float* sg, const float* outer, float* zbuf,
+                                             int& zr, float (&k)[8]) {
+    const long long ct = (long long)b * nc + (t - ns);
+    const float* z;
+    const float scale =
+        higgs_unrotate(s.codes, s.scale, cb, ct, valid, gi, cc, sub, group, row_bytes, G, P, p, grid, zbuf, zr, z);
 #pragma unroll
     for (int j = 0; j < 8; ++j) k[j] = 0.0f;
     if (valid && cc < heads * D) {
@@ -212,14 +239,7 @@ __device__ __forceinline__ float rebuild_key(const HiggsSide& s, const HiggsRope
         for (int j = 0; j < 8; ++j) {
             const int c = cc + j, e = c % D, c2 = c - e + (e + half) % D;
             float cs, sn;
-            if (rope.kind == 1) {
-                higgs_sincos((float)rope.positions[ct] * rope.inv_freq[e % half], sn, cs);
-                cs *= rope.scale;
-                sn *= rope.scale;
-            } else {
-                cs = rope.cos[ct * D + e];
-                sn = rope.sin[ct * D + e];
-            }
+            higgs_rope_at(rope, ct, e, D, cs, sn);
             const float a = higgs_mixed(z, outer, m, p, c) * sg[c];
             const float o = higgs_mixed(z, outer, m, p, c2) * sg[c2];
             k[j] = fmaf(a, cs, (e < half ? -o : o) * sn);
@@ -228,9 +248,47 @@ __device__ __forceinline__ float rebuild_key(const HiggsSide& s, const HiggsRope
     return scale;
 }
 
-template <int RT, int U, bool PRE>
+// 8 consecutive fp32 values (16-byte aligned).
+__device__ __forceinline__ void higgs_float8(const float* p, float (&x)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p), c = *reinterpret_cast<const float4*>(p + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = c.x, x[5] = c.y, x[6] = c.z, x[7] = c.w;
+}
+
+// An AQUA-KV key of the workspace (ROWS): coded token t's pre-RoPE row [Hkv*D] fp32 at the lane's 8 channels
+// cc.. of the group's heads (from channel gi*HPG*D of the row), RoPE applied as rebuild_key applies it, the
+// partner channels read from the row (one 32-byte run where D/2 is a multiple of 8, else one by one).
+__device__ __forceinline__ void row_key(const float* rows, const HiggsRope& rope, int t, int b, int gi, int cc,
+                                        int ns, int nc, int Hkv, int HPG, int D, float (&k)[8]) {
+    const long long ct = (long long)b * nc + (t - ns);
+    const float* x = rows + ct * Hkv * D + (long long)gi * HPG * D;
+    const int half = D / 2, e0 = cc % D;
+    float a[8], o[8];
+    higgs_float8(x + cc, a);
+    if (half % 8 == 0) {
+        higgs_float8(x + cc - e0 + (e0 + half) % D, o);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int e = e0 + j;
+            o[j] = x[cc + j - e + (e + half) % D];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int e = e0 + j;  // D a multiple of 8: the lane's channels lie in one head
+        float cs, sn;
+        higgs_rope_at(rope, ct, e, D, cs, sn);
+        k[j] = fmaf(a[j], cs, (e < half ? -o[j] : o[j]) * sn);
+    }
+}
+
+// MODE 0: codes of keys coded after RoPE (scored in the rotated domain); 1: codes of keys coded before RoPE
+// (rebuild_key); 2: an AQUA-KV workspace (ROWS), the coded part read from fp32 rows [B, nc, Hkv*D] (krows,
+// vrows: row_key, row_value), no codes, no grid, values summed in the plain domain.
+template <int RT, int U, int MODE>
 __device__ __forceinline__ void attend_higgs(
-    const float* __restrict__ q, const float* __restrict__ qt, HiggsSide ks, HiggsSide vs, int ns, int nc, int nr,
+    const float* __restrict__ q, const float* __restrict__ qt, HiggsSide ks, HiggsSide vs,
+    const float* __restrict__ krows, const float* __restrict__ vrows, int ns, int nc, int nr,
     int row_bytes, int cb, const float* __restrict__ grid_g, int n_grid, const void* mask, int mask_kind, long long mb,
     long long mh, long long mq, long long mt, int Hkv, int g, int Q, int D, int P, int HPG, int RM, int G, int n0,
     int chunk0, int n1, int chunk1, int chunk2, int causal, float scaling, int lpt, HiggsRope rope,
@@ -259,20 +317,22 @@ __device__ __forceinline__ void attend_higgs(
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nseg = HIGGS_THREADS / lpt, group = threadIdx.x / lpt, sub = threadIdx.x % lpt, cc = 8 * sub;
-    const bool active = seg == 1 ? cc < P : cc < heads * D;
-    const int hl = cc / D;  // the lane's head within the group (fp16 parts, pre-RoPE keys)
-    const bool pre = PRE && seg == 1;  // keys rebuilt per token (CTA-uniform)
+    const bool rows = MODE == 2 && seg == 1;  // the workspace's rows (CTA-uniform)
+    const bool active = seg == 1 && !rows ? cc < P : cc < heads * D;
+    const int hl = cc / D;  // the lane's head within the group (fp16 parts, pre-RoPE keys, rows)
+    const bool pre = MODE == 1 && seg == 1;  // keys rebuilt per token (CTA-uniform)
+    const bool rotated = MODE == 0 && seg == 1;  // scored against the rotated queries
 
     float* grid = smem;  // the grid's points, 2 floats each
     float* red = grid + 2 * n_grid;  // [2][HIGGS_WARPS][U][RT]: warps' partial dot products (LPT > 32)
     float* sg = red + 2 * HIGGS_WARPS * U * RT;  // pre-RoPE keys: signs / sqrt(P) [P], outer [m][m]
-    float* outer = sg + (PRE ? P : 0);
-    float* sm_m = outer + (PRE ? om * om : 0);
+    float* outer = sg + (MODE == 1 ? P : 0);
+    float* sm_m = outer + (MODE == 1 ? om * om : 0);
     float* sm_l = sm_m + nseg * RT;
     float* sm_acc = sm_l + nseg * RT;
     float* zbuf = sm_m;  // pre-RoPE keys: [2][1024] rounds of the groups' coordinates, before the final merge
     for (int i = threadIdx.x; i < 2 * n_grid; i += HIGGS_THREADS) grid[i] = grid_g[i];
-    if (PRE) {
+    if (MODE == 1) {
         for (int i = threadIdx.x; i < P; i += HIGGS_THREADS) sg[i] = signs[i] * inv_sqrt_p;
         for (int i = threadIdx.x; i < om * om; i += HIGGS_THREADS) outer[i] = outer_g[i];
     }
@@ -284,13 +344,13 @@ __device__ __forceinline__ void attend_higgs(
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         const int row = row0 + r;
-        const bool mine = r < nrows && active && ((seg == 1 && !pre) || (cc < heads * D && hl == row / (g * Q)));
+        const bool mine = r < nrows && active && (rotated || (cc < heads * D && hl == row / (g * Q)));
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             float x = 0.0f;
             if (mine) {
                 const long long at = (long long)bg * RM + row;
-                x = seg == 1 && !pre ? qt[at * P + cc + j] : q[at * D + cc % D + j];
+                x = rotated ? qt[at * P + cc + j] : q[at * D + cc % D + j];
             }
             qr[r][j] = x;
             acc[r][j] = 0.0f;
@@ -314,6 +374,11 @@ __device__ __forceinline__ void attend_higgs(
             if (pre) {
                 sc[u] = rebuild_key(ks, rope, cb, t, t < te, b, gi, cc, sub, group, ns, nc, row_bytes, G, D, P, p, om,
                                     heads, grid, sg, outer, zbuf, zr, k);
+            } else if (rows) {
+                sc[u] = 1.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) k[j] = 0.0f;
+                if (t < te && active) row_key(krows, rope, t, b, gi, cc, ns, nc, Hkv, HPG, D, k);
             } else if (t < te) {
                 sc[u] =
                     load_token(ks, seg, cb, t, b, gi, cc, active, ns, nc, nr, row_bytes, G, Hkv, HPG, D, P, grid, k);
@@ -392,8 +457,11 @@ __device__ __forceinline__ void attend_higgs(
             const int t = base + u * nseg + group;
             if (t >= te || !active) continue;
             float v[8];
-            const float vsc =
-                load_token(vs, seg, cb, t, b, gi, cc, active, ns, nc, nr, row_bytes, G, Hkv, HPG, D, P, grid, v);
+            float vsc = 1.0f;
+            if (rows)
+                higgs_float8(vrows + ((long long)b * nc + (t - ns)) * Hkv * D + (long long)gi * HPG * D + cc, v);
+            else
+                vsc = load_token(vs, seg, cb, t, b, gi, cc, active, ns, nc, nr, row_bytes, G, Hkv, HPG, D, P, grid, v);
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
                 const float w = s[u][r] * vsc;
@@ -485,21 +553,25 @@ extern "C" __global__ void higgs_merge(const float* __restrict__ part_acc, const
             }
             const int ch = c0 + c, hi = ch / p, lo = ch % p;
             float back = 0.0f;
-            for (int j = 0; j < P; ++j) {
-                const float h = outer[hi * m + j / p];
-                back = fmaf(rot[j], (__popc(lo & (j % p)) & 1) ? -h : h, back);
+            if (n1 > 0) {  // no code split (nothing coded, or an AQUA-KV workspace): nothing to rotate back
+                for (int j = 0; j < P; ++j) {
+                    const float h = outer[hi * m + j / p];
+                    back = fmaf(rot[j], (__popc(lo & (j % p)) & 1) ? -h : h, back);
+                }
+                back = signs[ch] * back * inv_sqrt_p;
             }
-            o = (plain + signs[ch] * back * inv_sqrt_p) / den;
+            o = (plain + back) / den;
         }
         out[(long long)row * D + c] = o;
     }
 }
 
-#define HIGGS_KERNEL(NAME, RT, U, PRE)                                                                                    \
+#define HIGGS_KERNEL(NAME, RT, U, MODE)                                                                                   \
     extern "C" __global__ void __launch_bounds__(HIGGS_THREADS, 1) NAME(                                             \
         const float* q, const float* qt, const unsigned char* kcodes, const unsigned short* kscale,                  \
         const unsigned short* ksink, const unsigned short* krecent, const unsigned char* vcodes,                     \
-        const unsigned short* vscale, const unsigned short* vsink, const unsigned short* vrecent, int ns, int nc,    \
+        const unsigned short* vscale, const unsigned short* vsink, const unsigned short* vrecent, const float* krows, \
+        const float* vrows, int ns, int nc,                                                                          \
         int nr, int row_bytes, int cb, const float* grid, int n_grid, const void* mask, int mask_kind, long long mb, \
         long long mh, long long mq, long long mt, int Hkv, int g, int Q, int D, int P, int HPG, int RM, int G,       \
         int n0, int chunk0, int n1, int chunk1, int chunk2, int causal, float scaling, int lpt, int rope_kind,       \
@@ -508,15 +580,61 @@ extern "C" __global__ void higgs_merge(const float* __restrict__ part_acc, const
         const HiggsSide ks = {kcodes, kscale, ksink, krecent};                                                       \
         const HiggsSide vs = {vcodes, vscale, vsink, vrecent};                                                       \
         const HiggsRope rope = {rope_kind, positions, inv_freq, rope_scale, rope_cos, rope_sin};                     \
-        attend_higgs<RT, U, PRE>(q, qt, ks, vs, ns, nc, nr, row_bytes, cb, grid, n_grid, mask, mask_kind, mb, mh, mq, mt, \
+        attend_higgs<RT, U, MODE>(q, qt, ks, vs, krows, vrows, ns, nc, nr, row_bytes, cb, grid, n_grid, mask, mask_kind, mb, mh, mq, mt, \
                             Hkv, g, Q, D, P, HPG, RM, G, n0, chunk0, n1, chunk1, chunk2, causal, scaling, lpt, rope, \
                             signs, outer, om, p, inv_sqrt_p, part_acc, part_ml);                                     \
     }
 
-HIGGS_KERNEL(higgs_r1, 1, 4, false)
-HIGGS_KERNEL(higgs_r2, 2, 4, false)
-HIGGS_KERNEL(higgs_r4, 4, 4, false)
-HIGGS_KERNEL(higgs_r8, 8, 2, false)
-HIGGS_KERNEL(higgs_pre_r1, 1, 2, true)
-HIGGS_KERNEL(higgs_pre_r4, 4, 2, true)
-HIGGS_KERNEL(higgs_pre_r8, 8, 1, true)
+HIGGS_KERNEL(higgs_r1, 1, 4, 0)
+HIGGS_KERNEL(higgs_r2, 2, 4, 0)
+HIGGS_KERNEL(higgs_r4, 4, 4, 0)
+HIGGS_KERNEL(higgs_r8, 8, 2, 0)
+HIGGS_KERNEL(higgs_pre_r1, 1, 2, 1)
+HIGGS_KERNEL(higgs_pre_r4, 4, 2, 1)
+HIGGS_KERNEL(higgs_pre_r8, 8, 1, 1)
+HIGGS_KERNEL(higgs_rows_r1, 1, 4, 2)
+HIGGS_KERNEL(higgs_rows_r2, 2, 4, 2)
+HIGGS_KERNEL(higgs_rows_r4, 4, 4, 2)
+
+// AQUA-KV's residual decode (kernels_cupy.aquakv.reconstruct, before the predictions are added by cuBLAS):
+// side blockIdx.z (0 keys, 1 values), coded row r = blockIdx.x * NSEG + lane group of [rows] (B*nc), quantizer
+// group gi = blockIdx.y: out[r, gi*qgroup + c] = s * (H^T y)[c] * signs[c] / sqrt(P) (+ bias[gi*qgroup + c])
+// for c < min(qgroup, C - gi*qgroup), as kvquant.quant.higgs.Higgs.dequantize (higgs_unrotate, the outer mix).
+// out is contiguous [rows, C] fp32 (the cache's workspace). Grid (ceil(rows / NSEG), G, 2), HIGGS_THREADS
+// threads; shared memory: the grid's points, signs / sqrt(P), the outer factor, two rounds of coordinates.
+extern "C" __global__ void __launch_bounds__(HIGGS_THREADS) higgs_decode(
+    const unsigned char* __restrict__ kcodes, const unsigned short* __restrict__ kscale,
+    const unsigned char* __restrict__ vcodes, const unsigned short* __restrict__ vscale, const float* kbias,
+    const float* vbias, long long rows, int row_bytes, int cb, const float* __restrict__ grid_g, int n_grid, int G,
+    int qgroup, int C, int P, int lpt, const float* __restrict__ signs, const float* __restrict__ outer_g, int om,
+    int p, float inv_sqrt_p, float* kout, float* vout) {
+    extern __shared__ float decode_smem[];
+    float* grid = decode_smem;
+    float* sg = grid + 2 * n_grid;
+    float* outer = sg + P;
+    float* zbuf = outer + om * om;
+    for (int i = threadIdx.x; i < 2 * n_grid; i += HIGGS_THREADS) grid[i] = grid_g[i];
+    for (int i = threadIdx.x; i < P; i += HIGGS_THREADS) sg[i] = signs[i] * inv_sqrt_p;
+    for (int i = threadIdx.x; i < om * om; i += HIGGS_THREADS) outer[i] = outer_g[i];
+    __syncthreads();
+    const int nseg = HIGGS_THREADS / lpt, group = threadIdx.x / lpt, sub = threadIdx.x % lpt, cc = 8 * sub;
+    const int gi = blockIdx.y, side = blockIdx.z;
+    const long long r = (long long)blockIdx.x * nseg + group;
+    const bool valid = r < rows;
+    int zr = 0;
+    const float* z;
+    const float s = higgs_unrotate(side ? vcodes : kcodes, side ? vscale : kscale, cb, r, valid, gi, cc, sub, group,
+                                   row_bytes, G, P, p, grid, zbuf, zr, z);
+    if (!valid) return;
+    const float* bias = side ? vbias : kbias;
+    float* out = (side ? vout : kout) + r * C + (long long)gi * qgroup;
+    const int cn = min(qgroup, C - gi * qgroup);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int c = cc + j;
+        if (c >= cn) break;
+        float x = s * (higgs_mixed(z, outer, om, p, c) * sg[c]);
+        if (bias != nullptr) x += bias[gi * qgroup + c];
+        out[c] = x;
+    }
+}

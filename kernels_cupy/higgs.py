@@ -13,10 +13,11 @@ the three parts of the sequence, shared memory) and the argument preparation (qu
 rotated queries, the quantizer's tensors on the device) are plain functions, so the CPU tests and
 ``kernels_cupy.higgs_emulate`` (the kernel line for line in torch) use the very same numbers.
 
-Refused: AQUA-KV states, the shapes ``limits`` names, and (``check_state``, per call) pre-RoPE keys whose
-RoPE inputs do not cover whole heads (tables or ``inv_freq`` narrower than the head: partial rotary) or
-are missing. Importing this module needs torch and numpy only; cupy is
-imported at the first launch.
+AQUA-KV states (codes of a predictor's residual) are read from their cache's decoded workspace by the same
+launches (``higgs_rows_r*``, ``kernels_cupy.aquakv``). Refused: the shapes ``limits`` names, and
+(``check_state``, per call) pre-RoPE keys whose RoPE inputs do not cover whole heads (tables or ``inv_freq``
+narrower than the head: partial rotary) or are missing. Importing this module needs torch and numpy only;
+cupy is imported at the first launch.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ TOKENS_IN_FLIGHT = {1: 4, 2: 4, 4: 4, 8: 2}
 #: each token's rebuild is inlined once per token in flight (registers, compile time)
 PRE_TOKENS_IN_FLIGHT = {1: 2, 4: 2, 8: 1}
 PRE_ROW_TILES = tuple(PRE_TOKENS_IN_FLIGHT)
+#: the same for an AQUA-KV workspace (``higgs_rows_r*``): no 8-row tile (with RoPE in registers it spills at
+#: 255 registers on sm_80 or sm_90, at 2 or 1 tokens in flight), so more rows re-read the rows once per 4
+ROWS_TOKENS_IN_FLIGHT = {1: 4, 2: 4, 4: 4}
+ROWS_ROW_TILES = tuple(ROWS_TOKENS_IN_FLIGHT)
 #: ``check_state``'s RoPE forms of pre-RoPE keys, as higgs.cu's ``rope_kind`` numbers them
 ROPE_KINDS = {"post_rope": 0, "positions": 1, "tables": 2}
 SHARED_STAGE = 256  # S_p butterflies of this stride and up cross warps: through shared memory
@@ -69,16 +74,17 @@ def lane_groups(p: int) -> int:
     return THREADS // lanes_per_token(p)
 
 
-def row_tile(rows: int, pre: bool = False) -> int:
+def row_tile(rows: int, pre: bool = False, workspace: bool = False) -> int:
     """Rows of one CTA: the smallest instantiated tile holding ``rows``, else the largest (several tiles);
-    ``pre``: among the pre-RoPE kernels' tiles."""
-    tiles = PRE_ROW_TILES if pre else ROW_TILES
+    ``pre``: among the pre-RoPE kernels' tiles; ``workspace``: the AQUA-KV kernels'."""
+    tiles = ROWS_ROW_TILES if workspace else PRE_ROW_TILES if pre else ROW_TILES
     return next((t for t in tiles if t >= rows), tiles[-1])
 
 
-def tokens_in_flight(rt: int, pre: bool = False) -> int:
-    """Tokens a lane group takes per step in the kernel of row tile ``rt`` (``pre``: keys coded before RoPE)."""
-    return (PRE_TOKENS_IN_FLIGHT if pre else TOKENS_IN_FLIGHT)[rt]
+def tokens_in_flight(rt: int, pre: bool = False, workspace: bool = False) -> int:
+    """Tokens a lane group takes per step in the kernel of row tile ``rt`` (``pre``: keys coded before RoPE;
+    ``workspace``: an AQUA-KV workspace)."""
+    return (ROWS_TOKENS_IN_FLIGHT if workspace else PRE_TOKENS_IN_FLIGHT if pre else TOKENS_IN_FLIGHT)[rt]
 
 
 def _ceil(a: int, b: int) -> int:
@@ -117,21 +123,24 @@ def split_range(split: int, parts: tuple[int, int, int], splits: list[tuple[int,
     raise ValueError(f"split beyond the plan's {sum(s for s, _ in splits)}")
 
 
-def shared_bytes(p: int, rt: int, n_grid: int, pre: bool = False, m: int = 1) -> int:
+def shared_bytes(p: int, rt: int, n_grid: int, pre: bool = False, m: int = 1, workspace: bool = False) -> int:
     """Dynamic shared memory of one CTA: the grid's points, the warps' partial dot products (two steps) and
     m, l and the accumulators of every lane group (the final merge); ``pre`` (keys coded before RoPE, outer
     factor ``m × m``): also signs / √P and the outer factor, and the two rounds of the groups' coordinates
-    that the rebuild uses in the merge's place (``ZBUF`` floats when that is more)."""
+    that the rebuild uses in the merge's place (``ZBUF`` floats when that is more); ``workspace`` (AQUA-KV's
+    rows, ``n_grid`` 0): its tokens in flight."""
     lpt, nseg = lanes_per_token(p), lane_groups(p)
-    u = tokens_in_flight(rt, pre)
+    u = tokens_in_flight(rt, pre, workspace)
     merge = 2 * nseg * rt + nseg * rt * COORDS_PER_LANE * lpt
     if pre:
         return 4 * (2 * n_grid + 2 * WARPS * u * rt + p + m * m + max(merge, ZBUF))
     return 4 * (2 * n_grid + 2 * WARPS * u * rt + merge)
 
 
-def kernel_name(rt: int, pre: bool = False) -> str:
-    return f"higgs_pre_r{rt}" if pre else f"higgs_r{rt}"
+def kernel_name(rt: int, pre: bool = False, workspace: bool = False) -> str:
+    """The attention kernel of row tile ``rt``: keys coded after RoPE, before it (``pre``), or an AQUA-KV
+    workspace (``higgs_rows_r*``)."""
+    return f"higgs_rows_r{rt}" if workspace else f"higgs_pre_r{rt}" if pre else f"higgs_r{rt}"
 
 
 def butterfly_stages(p: int) -> list[tuple[int, str]]:
@@ -196,11 +205,13 @@ def rope_tensors(state: Any, b: int, d: int, device: torch.device) -> dict[str, 
 def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     """What of a model or rule this kernel lacks, one phrase each; ``rule`` is the method's quantizer or
     ``kvquant.formats.higgs.HiggsRule`` (its quantizer, and whether keys are coded after RoPE: both are read):
-    AQUA-KV's codes (a predictor's residual), logit soft-capping, sliding-window layers, head dims not a
+    (format ``aquakv``: ``kernels_cupy.aquakv.limits``) logit soft-capping, sliding-window layers, head dims not a
     multiple of 8 up to 256, groups that split a head or pad to more than 1024 or to a size not a multiple of
     8. RoPE inputs narrower than a head (partial rotary) show only in a step's state: ``check_state``."""
-    if fmt == "aquakv":
-        return ["AQUA-KV codes (a cross-layer predictor's residual)"]
+    if fmt == "aquakv":  # read from the cache's decoded rows: the AQUA-KV kernels' own limits
+        from kernels_cupy.aquakv import limits as aquakv_limits
+
+        return aquakv_limits(fmt, geometry, rule)
     missing = code_limits("higgs", geometry, rule)  # the code kernels' checks of a model: lanes of 8 channels here too
     d = geometry.head_dim
     if rule is not None and d % COORDS_PER_LANE == 0 and d <= HEAD_DIM_MAX:
@@ -319,60 +330,75 @@ def _window(win: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, int, in
     return sinks, recent, 0 if sinks is None else sinks.shape[2], 0 if recent is None else recent.shape[2]
 
 
+def rows_shape(hkv: int, d: int, hq: int, q_len: int) -> dict[str, int]:
+    """``group_shape`` of an AQUA-KV workspace's attention: a group per KV head (``hpg`` 1, ``P`` = D, no
+    padding), whatever the quantizer's groups (the rows are decoded: ``kernels_cupy.aquakv``)."""
+    g = hq // hkv
+    return {"G": hkv, "hpg": 1, "P": d, "g": g, "RM": g * q_len, "rows": [g * q_len] * hkv}
+
+
 def launches(
     state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, sms: int
 ) -> tuple[list[tuple], torch.Tensor, tuple]:
     """A step's two launches as ``(kernel, grid, shared memory, args)`` (the attention kernel, then
     ``higgs_merge``), the ``[B·Hq·q_len, D]`` fp32 output they write, and the tensors they read (the caller
-    holds them until both are queued). ``state`` has at least one token."""
+    holds them until both are queued). ``state`` has at least one token. An AQUA-KV state (format
+    ``aquakv``) is read from its workspace ``rows`` by ``higgs_rows_r*`` (``rows_shape``; values in the plain
+    domain, so the merge rotates nothing back: its ``n1`` is 0)."""
     b, hq, q_len, d = query.shape
     hkv = state.k_win.recent.shape[1]
     quant = state.quant
-    shape = group_shape(quant, hkv, d, hq, q_len)
+    from_rows = state.format == "aquakv"
+    shape = rows_shape(hkv, d, hq, q_len) if from_rows else group_shape(quant, hkv, d, hq, q_len)
     n_groups, p, rm = shape["G"], shape["P"], shape["RM"]
     ks, kr, ns, nr = _window(state.k_win)
     vs, vr, _, _ = _window(state.v_win)
     nc = state.n_codes
-    qt_tensors = quant_tensors(quant, query.device)
+    qt_tensors = None if from_rows else quant_tensors(quant, query.device)
     rows = query_rows(query, shape)
     rkind = rope_kind(state)
-    pre = rkind != 0
-    qt = rotated_queries(rows, qt_tensors.signs, shape, q_len) if nc and not pre else None
+    pre = rkind != 0 and not from_rows
+    qt = rotated_queries(rows, qt_tensors.signs, shape, q_len) if nc and not pre and not from_rows else None
     rope = rope_tensors(state, b, d, query.device)
-    kc = vc = ksc = vsc = None
-    if nc:
+    kc = vc = ksc = vsc = krows = vrows = None
+    if nc and from_rows:
+        krows, vrows = kernel_arg(state.rows[0]), kernel_arg(state.rows[1])
+    elif nc:
         kc, ksc = kernel_arg(state.qk.codes), kernel_arg(state.qk.scales)
         vc, vsc = kernel_arg(state.qv.codes), kernel_arg(state.qv.scales)
     mask_t, kind, (mb, mh, mq, mt) = mask_view(mask, b, hq, q_len, ns + nc + nr)
-    rt = row_tile(rm, pre)
+    rt = row_tile(rm, pre, from_rows)
     tiles = _ceil(rm, rt)
-    splits = plan((ns, nc, nr), b * n_groups * tiles, sms, p, tokens_in_flight(rt, pre))
+    splits = plan((ns, nc, nr), b * n_groups * tiles, sms, p, tokens_in_flight(rt, pre, from_rows))
     n_split = sum(s for s, _ in splits)
     f32 = {"dtype": torch.float32, "device": query.device}
     part_acc = torch.empty(n_split, b * n_groups, rm, p, **f32)
     part_ml = torch.empty(n_split, b * n_groups, rm, 2, **f32)
-    n_grid = quant.grid.shape[0]
+    n_grid = 0 if from_rows else quant.grid.shape[0]
+    grid_t, signs, outer = (None, None, None) if from_rows else (qt_tensors.grid, qt_tensors.signs, qt_tensors.outer)
     args = (ptr(rows), ptr(qt), ptr(kc), ptr(ksc), ptr(ks), ptr(kr), ptr(vc), ptr(vsc), ptr(vs), ptr(vr))
+    args += (ptr(krows), ptr(vrows))
     args += (i32(ns), i32(nc), i32(nr), i32(0 if kc is None else kc.shape[-1]), i32(quant.code_bits))
-    args += (ptr(qt_tensors.grid), i32(n_grid), np.uint64(0 if mask_t is None else mask_t.data_ptr()), i32(kind))
+    args += (ptr(grid_t), i32(n_grid), np.uint64(0 if mask_t is None else mask_t.data_ptr()), i32(kind))
     args += (*(np.int64(x) for x in (mb, mh, mq, mt)), i32(hkv), i32(shape["g"]), i32(q_len), i32(d), i32(p))
     (n0, c0), (n1, c1), (_, c2) = splits
     args += (i32(shape["hpg"]), i32(rm), i32(n_groups), i32(n0), i32(c0), i32(n1), i32(c1), i32(c2))
     causal = mask is None and q_len > 1
-    m = quant.outer.shape[0]
+    m = 1 if from_rows else quant.outer.shape[0]
     args += (i32(causal), np.float32(scaling), i32(lanes_per_token(p)), i32(rkind), ptr(rope["positions"]))
     args += (ptr(rope["inv_freq"]), np.float32(rope["rope_scale"]), ptr(rope["cos"]), ptr(rope["sin"]))
-    args += (ptr(qt_tensors.signs), ptr(qt_tensors.outer), i32(m), i32(p // m), np.float32(p**-0.5))
+    args += (ptr(signs), ptr(outer), i32(m), i32(p // m), np.float32(p**-0.5))
     args += (ptr(part_acc), ptr(part_ml))
     out = torch.empty(b * hq * q_len, d, **f32)
-    merge = (ptr(part_acc), ptr(part_ml), i32(n_split), i32(n0), i32(n1), i32(b * n_groups), i32(n_groups), i32(rm))
-    merge += (i32(p), i32(d), i32(shape["g"] * q_len), i32(hq * q_len), ptr(qt_tensors.signs), ptr(qt_tensors.outer))
-    merge += (i32(m), i32(p // m), np.float32(p**-0.5), ptr(out))
+    merge = (ptr(part_acc), ptr(part_ml), i32(n_split), i32(n0), i32(0 if from_rows else n1), i32(b * n_groups))
+    merge += (i32(n_groups), i32(rm), i32(p), i32(d), i32(shape["g"] * q_len), i32(hq * q_len), ptr(signs))
+    merge += (ptr(outer), i32(m), i32(p // m), np.float32(p**-0.5), ptr(out))
+    name = kernel_name(rt, pre, from_rows)
     steps = [
-        (kernel_name(rt, pre), (n_split, b * n_groups, tiles), shared_bytes(p, rt, n_grid, pre, m), args),
+        (name, (n_split, b * n_groups, tiles), shared_bytes(p, rt, n_grid, pre, m, from_rows), args),
         ("higgs_merge", (b * hq * q_len,), 4 * p, merge),
     ]
-    held = (rows, qt, kc, ksc, vc, vsc, ks, kr, vs, vr, mask_t, part_acc, part_ml, *rope.values())
+    held = (rows, qt, kc, ksc, vc, vsc, krows, vrows, ks, kr, vs, vr, mask_t, part_acc, part_ml, *rope.values())
     return steps, out, held
 
 

@@ -8,8 +8,10 @@ and ``higgs.rope_partner``, scored against the plain query; the lanes' codes rea
 reads them (``higgs.group_codes``) and looked up in the grid; per lane group an online softmax over its
 tokens with scores ``(q · k) · s_t · scaling`` and values ``acc += (p · s_t) · v``; the lane groups' merge,
 then ``higgs_merge``: the splits' log-sum-exp, the code splits' rotated sums rotated back once per row
-(``kron(outer, S_p)ᵀ``, signs, ``1/√P``) and added to the fp16 splits' plain sums. Vectorised over batch ×
-groups, lane groups and rows; slow, for tests.
+(``kron(outer, S_p)ᵀ``, signs, ``1/√P``) and added to the fp16 splits' plain sums. An AQUA-KV state (format
+``aquakv``) as ``higgs_rows_r*`` reads it: its workspace rows, a group per KV head (``higgs.rows_shape``), keys
+rotated by RoPE as ``row_key`` does, values summed in the plain domain (nothing rotated back in the merge).
+Vectorised over batch × groups, lane groups and rows; slow, for tests.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kernels_cupy.aquakv import check_state as check_rows_state
 from kernels_cupy.codes import mask_view
 from kernels_cupy.higgs import (
     PROMPT_QUERIES,
@@ -35,6 +38,7 @@ from kernels_cupy.higgs import (
     rotated_queries,
     rotation_entries,
     row_tile,
+    rows_shape,
     split_range,
     tokens_in_flight,
 )
@@ -78,12 +82,10 @@ def _rope_channels(state: Any, shape: dict[str, int], d: int, b: int) -> tuple[t
     return cos.repeat_interleave(shape["G"], 0), sin.repeat_interleave(shape["G"], 0)
 
 
-def _rebuilt_keys(y: torch.Tensor, state: Any, shape: dict[str, int], d: int, b: int) -> torch.Tensor:
-    """``rebuild_key`` over the coded keys' grid points ``y`` ``[B·G, nc, P]``: the S_p butterflies (within a
-    lane, by shuffle or through shared memory: the same sums), the outer mix, signs / √P, RoPE; zeros past
-    each group's heads. The scale stays out (it multiplies the score)."""
-    quant, p_all = state.quant, shape["P"]
-    m = quant.outer.shape[0]
+def unrotated(y: torch.Tensor, signs: torch.Tensor, outer: torch.Tensor) -> torch.Tensor:
+    """``higgs_unrotate`` and the outer mix over grid points ``y`` ``[..., P]``: the S_p butterflies (within a
+    lane, by shuffle or through shared memory: the same sums), the outer mix, signs / √P (no scale)."""
+    p_all, m = y.shape[-1], outer.shape[0]
     p = p_all // m
     j = torch.arange(p_all)
     x = y
@@ -92,12 +94,25 @@ def _rebuilt_keys(y: torch.Tensor, state: Any, shape: dict[str, int], d: int, b:
         x = torch.where((j & h) != 0, other - x, x + other)
     if m > 1:
         taps = torch.arange(m) * p + (j % p).unsqueeze(-1)  # [P, m]: a·p + c mod p
-        x = (x[..., taps] * quant.outer.float()[j // p]).sum(-1)
-    a = x * (quant.signs.float() * p_all**-0.5)
-    partner, sign = rope_partner(j, d)
+        x = (x[..., taps] * outer.float()[j // p]).sum(-1)
+    return x * (signs.float() * p_all**-0.5)
+
+
+def _roped(a: torch.Tensor, state: Any, shape: dict[str, int], d: int, b: int) -> torch.Tensor:
+    """RoPE as ``rebuild_key`` and ``row_key`` apply it to pre-RoPE keys ``a`` ``[B·G, nc, P]`` (heads of ``d``
+    side by side): ``a · cos + (sign · a[partner]) · sin`` at each channel's position."""
+    p_all = shape["P"]
+    partner, sign = rope_partner(torch.arange(p_all), d)
     o = a[..., partner.clamp(max=p_all - 1)]
     cos, sin = _rope_channels(state, shape, d, b)
-    k = a * cos + (sign * o) * sin
+    return a * cos + (sign * o) * sin
+
+
+def _rebuilt_keys(y: torch.Tensor, state: Any, shape: dict[str, int], d: int, b: int) -> torch.Tensor:
+    """``rebuild_key`` over the coded keys' grid points ``y`` ``[B·G, nc, P]``: ``unrotated``, then RoPE; zeros
+    past each group's heads. The scale stays out (it multiplies the score)."""
+    j = torch.arange(shape["P"])
+    k = _roped(unrotated(y, state.quant.signs, state.quant.outer), state, shape, d, b)
     heads = torch.tensor(_heads(shape)).repeat(b)
     return torch.where(j.view(1, 1, -1) < (heads * d).view(-1, 1, 1), k, 0.0)
 
@@ -118,7 +133,12 @@ def _tokens(state: Any, side: str, shape: dict[str, int], d: int, b: int = 1) ->
         parts.append(got)
         scales.append(None if got is None else torch.ones(got.shape[:2]))
     coded = state.qk if side == "k" else state.qv
-    if coded is not None:
+    if coded is not None and state.format == "aquakv":  # the workspace's rows, a group per KV head
+        y = state.rows[0 if side == "k" else 1].float()
+        y = y.view(b, -1, shape["G"], d).transpose(1, 2).reshape(b * shape["G"], -1, d)
+        parts.insert(1, _roped(y, state, shape, d, b) if side == "k" else y)
+        scales.insert(1, torch.ones(y.shape[:2]))
+    elif coded is not None:
         y, s = _coded_part(coded, state.quant, shape)
         if side == "k" and rope_kind(state) != 0:
             y = _rebuilt_keys(y, state, shape, d, b)
@@ -131,9 +151,10 @@ def emulate(state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling:
     """What ``higgs.attend_higgs`` computes on a GPU with ``sms`` SMs, ``[B, Hq, q_len, D]`` fp32, in torch."""
     b, hq, q_len, d = query.shape
     hkv = state.k_win.recent.shape[1]
-    check_state(state, d, hkv)
+    from_rows = state.format == "aquakv"
+    (check_rows_state if from_rows else check_state)(state, d, hkv)
     quant = state.quant
-    shape = group_shape(quant, hkv, d, hq, q_len)
+    shape = rows_shape(hkv, d, hq, q_len) if from_rows else group_shape(quant, hkv, d, hq, q_len)
     groups, p, rm, g = shape["G"], shape["P"], shape["RM"], shape["g"]
     bg = b * groups
     ns, nr = state.n_sinks, state.n_recent
@@ -141,15 +162,15 @@ def emulate(state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling:
     length = sum(parts)
     rows = query_rows(query, shape)
     q_plain = placed(rows, shape, q_len).reshape(bg, rm, p)
-    pre = rope_kind(state) != 0
-    q_rot = q_plain if pre else rotated_queries(rows, quant.signs, shape, q_len).reshape(bg, rm, p)
+    pre = rope_kind(state) != 0 and not from_rows
+    q_rot = q_plain if pre or from_rows else rotated_queries(rows, quant.signs, shape, q_len).reshape(bg, rm, p)
     keys, k_scale = _tokens(state, "k", shape, d, b)
     values, v_scale = _tokens(state, "v", shape, d, b)
     mask_t, kind, _ = mask_view(mask, b, hq, q_len, length)
     causal = mask is None and q_len > 1
-    rt = row_tile(rm, pre)
+    rt = row_tile(rm, pre, from_rows)
     tiles = -(-rm // rt)
-    u_n = tokens_in_flight(rt, pre)
+    u_n = tokens_in_flight(rt, pre, from_rows)
     splits = plan(parts, bg * tiles, sms, p, u_n)
     n_split = sum(s for s, _ in splits)
     nseg = lane_groups(p)
@@ -201,16 +222,23 @@ def emulate(state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling:
             part_acc[split, :, row] = torch.where(empty.unsqueeze(-1), 0.0, (wgt.unsqueeze(-1) * acc).sum(1))
             part_ml[split, :, row, 0] = top
             part_ml[split, :, row, 1] = torch.where(empty, 0.0, (wgt * l_sum).sum(1))
-    return _merge(part_acc[:, :, :rm], part_ml[:, :, :rm], splits, state.quant, shape, query.shape)
+    n1 = 0 if from_rows else splits[1][0]  # the merge's code splits: none to rotate back from rows
+    return _merge(part_acc[:, :, :rm], part_ml[:, :, :rm], splits[0][0], n1, state.quant, shape, query.shape)
 
 
 def _merge(
-    part_acc: torch.Tensor, part_ml: torch.Tensor, splits: list, quant: Any, shape: dict[str, int], qshape: torch.Size
+    part_acc: torch.Tensor,
+    part_ml: torch.Tensor,
+    n0: int,
+    n1: int,
+    quant: Any,
+    shape: dict[str, int],
+    qshape: torch.Size,
 ) -> torch.Tensor:
-    """``higgs_merge``: the splits' log-sum-exp, the rotated sums rotated back once per row, ``[B, Hq, Q, D]``."""
+    """``higgs_merge``: the splits' log-sum-exp, the rotated sums of the code splits ``[n0, n0 + n1)`` rotated
+    back once per row (nothing where ``n1`` is 0), ``[B, Hq, Q, D]``."""
     b, hq, q_len, d = qshape
     groups, p, rm = shape["G"], shape["P"], shape["RM"]
-    n0, n1 = splits[0][0], splits[1][0]
     ms = part_ml[..., 0]
     top = ms.amax(0)
     w = torch.where(ms == NEG_INF, 0.0, torch.exp(ms - top))
@@ -220,8 +248,10 @@ def _merge(
     weighted = w.unsqueeze(-1) * part_acc
     rot = weighted[coded].sum(0)  # [BG, RM, P]
     plain = weighted[~coded].sum(0)
-    m = quant.outer.shape[0]
-    back = rot @ rotation_entries(quant.outer, p // m, torch.arange(p)).T * p**-0.5 * quant.signs
+    back = torch.zeros_like(rot)
+    if n1:
+        m = quant.outer.shape[0]
+        back = rot @ rotation_entries(quant.outer, p // m, torch.arange(p)).T * p**-0.5 * quant.signs
     head = torch.arange(rm) // (shape["g"] * q_len)
     index = (head.unsqueeze(-1) * d + torch.arange(d)).expand(*rot.shape[:-1], d)
     out = (plain.gather(-1, index) + back.gather(-1, index)) / den.unsqueeze(-1)

@@ -10,7 +10,10 @@ sizes, random weights, no download; fp16 on a GPU, fp32 on a CPU), after every l
 with synthetic K/V untimed (``model_step_time``); medians of ``--repeats`` steps after 2 warm-up steps.
 ``x dyn`` is the time over transformers' ``DynamicCache`` on the same model in the same run (issue 33's
 whole-step criteria: fp16 <= 1.05, kivi2/kivi4 <= 0.8, gear2/gear4 <= 0.9, higgs_post_rope <= 1.0 at
-32K); ``x fp16`` over our fp16 cache; ``bits`` the mean bits read per K/V element. Methods are built on
+32K); ``x fp16`` over our fp16 cache; ``bits`` the mean bits read per K/V element. AQUA-KV methods (``aquakv``,
+``aquakv_k_only``, ``aquakv_v_only``) get random predictors of calibration's scale for the random model (written
+once to a temporary folder: the weights' values do not change the time) and a floor row (``<name>_floor``:
+DynamicCache's step plus the predictors' matmuls over the coded history, issue 33's floor). Methods are built on
 ``--backend`` (``auto``: the device's kernels where they are picked automatically, else torch;
 ``cupy``/``cpu``/``torch`` by name), or ``name@backend`` for one (``kivi2@cupy``). Needs torch and
 transformers only (no Hydra, W&B or lm-eval), so ``scripts/gpu_check.sh`` runs it on a bare GPU machine.
@@ -19,7 +22,9 @@ transformers only (no Hydra, W&B or lm-eval), so ``scripts/gpu_check.sh`` runs i
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 METHODS = "fp16,kivi2,kivi4,gear2,gear4,higgs_post_rope,truncation,alignedkv,alignedkv_block"
-COLUMNS = ("layout", "batch", "context", "method", "backend", "ms", "x dyn", "x fp16", "bits")
+COLUMNS = ("layout", "batch", "context", "method", "backend", "ms", "x dyn", "x fp16", "bits", "x floor")
 
 
 def table(rows: list[dict]) -> str:
@@ -43,9 +48,58 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def random_predictors(method, model, folder: Path):
+    """``method`` (AQUA-KV) reading random predictors of calibration's scale made for ``model``'s config and
+    quantizers, written once into ``folder``; other methods unchanged."""
+    if getattr(method, "predict", "none") == "none":
+        return method
+    from kvquant.cache import KVGeometry
+    from kvquant.methods.aquakv.predictors import FORMAT, Predictors, model_identity
+
+    geometry = KVGeometry.of(model.config)
+    quants = method.quantizers(geometry)
+    identity = model_identity(model.config.get_text_config(decoder=True))
+    path = method.default_path(identity, quants)
+    path = folder / path.parent.name / path.name
+    if not path.is_file():
+        c, gen = geometry.n_kv_heads * geometry.head_dim, torch.Generator().manual_seed(0)
+        header = {"format": FORMAT, "model": identity, "quantizer": method.quantizer_identity(quants)}
+        pred = Predictors(header)
+        for i in range(1, geometry.n_layers):
+            if method.predict in ("k", "kv"):
+                pred.k[i] = (torch.randn(c, c, generator=gen) * c**-0.5, torch.zeros(c))
+            if method.predict in ("v", "kv"):
+                pred.v[i] = (torch.randn(2 * c, c, generator=gen) * (2 * c) ** -0.5, torch.zeros(c))
+        pred.save(path)
+    return method.with_params(predictors=str(path))
+
+
+def predictor_floor(method, model, batch: int, context: int, device: str, repeats: int) -> float | None:
+    """Seconds of AQUA-KV's predictor matmuls in one decode step (every layer with predictors: ``[B·n, C] @ W_k``
+    and ``[B·n, 2C] @ W_v`` plus bias over the ``n`` coded tokens, fp32 as the cache runs them), median of
+    ``repeats`` after a warm-up; None for a method without predictors."""
+    if getattr(method, "predict", "none") == "none":
+        return None
+    pred = method.load_predictors(model)
+    n = max(1, batch * (context - method.sink - method.window))
+    weights = [(w.to(device), b.to(device)) for w, b in (*pred.k.values(), *pred.v.values())]
+    inputs = {w.shape[0]: torch.randn(n, w.shape[0], device=device) for w, _ in weights}
+    times = []
+    for _ in range(repeats + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for w, b in weights:
+            torch.addmm(b, inputs[w.shape[0]], w)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def measure(layout: str, batch: int, context: int, methods: dict, args, device: str) -> list[dict]:
-    """One cell: DynamicCache first, then each method, each row with its ratios."""
-    from kvquant.analysis.timing import model_step_time
+    """One cell: DynamicCache first, then each method (an AQUA-KV one after its floor), each row with its ratios."""
+    from kvquant.analysis.timing import layout_model, model_step_time
 
     def time_of(method):
         return model_step_time(method, layout, context, args.repeats, device=device, batch=batch, layers=args.layers)
@@ -54,10 +108,23 @@ def measure(layout: str, batch: int, context: int, methods: dict, args, device: 
     timed = {name: time_of(method) for name, method in methods.items()}
     base = timed["fp16"].seconds if "fp16" in timed else None
     rows = [{"method": "DynamicCache", "backend": "torch", "ms": dynamic.seconds * 1e3, "x dyn": 1.0}]
+    floors: dict[str, float] = {}
     for name, t in timed.items():
+        method = methods[name]
+        family = name.partition("@")[0]
+        if family not in floors:
+            model = layout_model(layout, device, args.layers)
+            spent = predictor_floor(method, model, batch, context, device, args.repeats)
+            if spent is not None:
+                floors[family] = dynamic.seconds + spent
+                seconds = floors[family]
+                rows.append({"method": f"{family}_floor", "backend": "torch", "ms": seconds * 1e3,
+                             "x dyn": seconds / dynamic.seconds})  # fmt: skip
         row = {"method": name, "backend": t.backend, "ms": t.seconds * 1e3, "x dyn": t.seconds / dynamic.seconds}
         if base:
             row["x fp16"] = t.seconds / base
+        if family in floors:
+            row["x floor"] = t.seconds / floors[family]
         rows.append(row | {"bits": t.bits_read})
     return [{"layout": layout, "batch": batch, "context": context} | row for row in rows]
 
@@ -98,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if any(getattr(m, "predict", "none") != "none" for m in methods.values()):
+        from kvquant.analysis.timing import layout_model
+
+        folder = Path(tempfile.mkdtemp(prefix="bench_step_predictors_"))
+        model = layout_model(args.layout, device, args.layers)
+        methods = {name: random_predictors(m, model, folder) for name, m in methods.items()}
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     header = f"device: {where}; torch {torch.__version__}; layout {args.layout} (random weights)"
     if args.layers:

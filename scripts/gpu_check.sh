@@ -8,16 +8,16 @@
 # the bundled stories260K; without transformers it skips, and a skip fails the check); no Hydra,
 # W&B, lm-eval or platformdirs (the converted model goes to $XDG_CACHE_HOME/kvquant, default
 # ~/.cache/kvquant). Writes OUT_DIR/results.md (device, date, test verdict, benchmark tables),
-# device.txt, tests.log, tests.xml, bench.log, bench.md, step.log and step.md.
+# device.txt, tests.log, tests.xml, bench.log, bench.md, step.log, step.md, aquakv.log and aquakv.md.
 #
 # The benchmarks are reduced versions of issues 32 and 33's: attention only, SDPA vs the paper's rule vs
 # the block rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes
 # read and % of the copy bandwidth measured in the same run (scripts/bench_kernels.py); and whole decode
-# steps on a random-weight Llama-2-7B layout at 4K and 32K, each cache against DynamicCache
-# (scripts/bench_step.py).
+# steps on a random-weight Llama-2-7B layout at 4K and 32K, each cache against DynamicCache, and AQUA-KV's
+# (random predictors) on a Llama-3.1-8B layout at 4K against DynamicCache and its floor (scripts/bench_step.py).
 #
 # Fails closed. Exit 0 only when every gpu-marked test ran and passed (none skipped, at least one
-# collected) and both benchmarks exited 0; 2 when CuPy or the GPU is unusable (one `error:` line,
+# collected) and the three benchmark runs exited 0; 2 when CuPy or the GPU is unusable (one `error:` line,
 # nothing else run); 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,12 +61,12 @@ fi
 } > "$OUT_DIR/device.txt"
 cat "$OUT_DIR/device.txt"
 
-# 2. Tests (<= 280 s): every gpu-marked test of the kernels (first use compiles the modules) and of the
+# 2. Tests (<= 270 s): every gpu-marked test of the kernels (first use compiles the modules) and of the
 # caches on CUDA. The verdict is read from the JUnit report, so a skip counts against the check whatever
 # pytest exits.
 rm -f "$OUT_DIR/tests.xml"
-timeout 280 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py tests/test_kernels_cupy_higgs.py \
-  tests/test_cache.py -m gpu -q -rs -p no:cacheprovider \
+timeout 270 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py tests/test_kernels_cupy_higgs.py \
+  tests/test_kernels_cupy_aquakv.py tests/test_cache.py -m gpu -q -rs -p no:cacheprovider \
   --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log"
 test_status=${PIPESTATUS[0]}
 if [ -s "$OUT_DIR/tests.xml" ]; then
@@ -84,25 +84,29 @@ EOF
   )
   verdict_status=$?
 else
-  verdict="no test report: pytest did not finish (exit $test_status; 124 is the 300 s timeout)"
+  verdict="no test report: pytest did not finish (exit $test_status; 124 is the 270 s timeout)"
   verdict_status=1
 fi
 
-# 3. Benchmarks (<= 90 s + 70 s): whatever a budget leaves is listed as skipped, so the call ends in time.
-# Attention only (AlignedKV's kernels vs SDPA), then whole decode steps on a random-weight Llama-2-7B layout
-# (each cache vs DynamicCache, the torch path beside the CuPy kernels).
-timeout 90 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,8192,16384,32768 --batches 1,8 \
-  --methods sdpa,aligned,block,control --repeats 10 --max-seconds 60 --out "$OUT_DIR/bench.md" 2>&1 \
+# 3. Benchmarks (<= 75 s + 55 s + 40 s): whatever a budget leaves is listed as skipped, so the call ends in
+# time. Attention only (AlignedKV's kernels vs SDPA), then whole decode steps on a random-weight Llama-2-7B
+# layout (each cache vs DynamicCache, the torch path beside the CuPy kernels), then AQUA-KV's on a
+# Llama-3.1-8B layout (8 KV heads: 1024-channel predictors; Llama-2-7B's 4096 would be 6 GB of weights).
+timeout 75 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,8192,16384,32768 --batches 1,8 \
+  --methods sdpa,aligned,block,control --repeats 10 --max-seconds 50 --out "$OUT_DIR/bench.md" 2>&1 \
   | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
-timeout 70 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 35 \
+timeout 55 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 30 \
   --methods fp16,kivi2,kivi2@cupy,kivi4@cupy,gear2@cupy,higgs_post_rope@cupy,alignedkv_block@cupy \
   --out "$OUT_DIR/step.md" 2>&1 | tee "$OUT_DIR/step.log"
 step_status=${PIPESTATUS[0]}
+timeout 40 "$PY" scripts/bench_step.py --layout llama3.1_8b --contexts 4096 --repeats 3 --max-seconds 15 \
+  --methods fp16,aquakv@torch,aquakv@cupy --out "$OUT_DIR/aquakv.md" 2>&1 | tee "$OUT_DIR/aquakv.log"
+aquakv_status=${PIPESTATUS[0]}
 
 status=0
 [ "$test_status" -eq 0 ] && [ "$verdict_status" -eq 0 ] || status=1
-[ "$bench_status" -eq 0 ] && [ "$step_status" -eq 0 ] || status=1
+[ "$bench_status" -eq 0 ] && [ "$step_status" -eq 0 ] && [ "$aquakv_status" -eq 0 ] || status=1
 {
   echo "# kernels_cupy GPU check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
   echo
@@ -121,9 +125,13 @@ status=0
   echo "whole decode step (exit $step_status):"
   echo
   if [ -s "$OUT_DIR/step.md" ]; then cat "$OUT_DIR/step.md"; else tail -n 20 "$OUT_DIR/step.log"; fi
+  echo
+  echo "AQUA-KV whole decode step (exit $aquakv_status):"
+  echo
+  if [ -s "$OUT_DIR/aquakv.md" ]; then cat "$OUT_DIR/aquakv.md"; else tail -n 20 "$OUT_DIR/aquakv.log"; fi
 } > "$OUT_DIR/results.md"
 cat "$OUT_DIR/results.md"
 if [ "$status" -ne 0 ]; then
-  echo "error: GPU check failed: tests exit $test_status ($verdict); benchmarks exit $bench_status, $step_status" >&2
+  echo "error: GPU check failed: tests exit $test_status ($verdict); benchmarks exit $bench_status, $step_status, $aquakv_status" >&2
 fi
 exit "$status"

@@ -26,6 +26,7 @@ from kernels_cupy.higgs import (
     PRE_TOKENS_IN_FLIGHT,
     PROMPT_QUERIES,
     ROW_TILES,
+    ROWS_ROW_TILES,
     TOKENS_IN_FLIGHT,
     attend_higgs,
     butterfly_stages,
@@ -94,6 +95,7 @@ def test_higgs_cu_compiles_for_sm80_and_sm90_without_warnings(compiled):
     ptx_log, ptx, cubin_log = compiled
     assert not ptx_log.strip(), ptx_log
     assert ".entry higgs_r1" in ptx and ".entry higgs_merge" in ptx
+    assert ".entry higgs_rows_r4" in ptx and ".entry higgs_decode" in ptx
     info = re.compile(r"ptxas info|bytes stack frame")
     assert not [line for line in cubin_log.splitlines() if line.strip() and not info.search(line)], cubin_log
 
@@ -103,6 +105,7 @@ def test_ptxas_shows_no_spills_on_sm90(compiled):
     log = compiled[2]
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
     names = {f"higgs_r{rt}" for rt in ROW_TILES} | {f"higgs_pre_r{rt}" for rt in PRE_ROW_TILES}
+    names |= {f"higgs_rows_r{rt}" for rt in ROWS_ROW_TILES} | {"higgs_decode"}  # AQUA-KV (test_kernels_cupy_aquakv)
     assert set(entries) == names | {"higgs_merge"}
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(frames) == len(entries) and all(f == ("0", "0", "0") for f in frames), log
@@ -303,17 +306,18 @@ def test_quantizer_tensors_are_copied_once_per_device():
 
 
 def test_backend_cupy_reads_higgs_and_its_limits():
-    """Registered for ``higgs`` (opt-in as the rest of the backend), not ``aquakv``; ``limits`` passes
-    ``higgs_post_rope``'s quantizer on stories260K's and Llama-3's geometry and names what it lacks."""
+    """Registered for ``higgs`` (opt-in as the rest of the backend) and ``aquakv`` (its own limits:
+    test_kernels_cupy_aquakv); ``limits`` passes ``higgs_post_rope``'s quantizer on stories260K's and Llama-3's
+    geometry and names what it lacks."""
     from kvquant import get_method
     from kvquant.backends import get_backend
 
     cupy = get_backend("cupy")
-    assert "higgs" in cupy.formats and "aquakv" not in cupy.formats and cupy.auto is False
+    assert "higgs" in cupy.formats and "aquakv" in cupy.formats and cupy.auto is False
     for geo in (KVGeometry(5, 8, 4, 8), KVGeometry(32, 32, 8, 128)):
         assert cupy.limits("higgs", geo, get_method("higgs_post_rope").rule(geo)) == []
     geo = KVGeometry(n_layers=2, n_heads=8, n_kv_heads=4, head_dim=64)
-    assert cupy.limits("aquakv", geo, Higgs(256, 2, 1024)) == ["AQUA-KV codes (a cross-layer predictor's residual)"]
+    assert cupy.limits("aquakv", geo, Higgs(256, 2, 96)) == []  # decoded rows: groups may split heads
     odd = KVGeometry(n_layers=2, n_heads=8, n_kv_heads=4, head_dim=60, sliding_window=4096, softcap=50.0)
     assert limits("higgs", odd, Higgs(240, 2, 1024)) == [
         "attention-logit soft-capping (50.0)",
@@ -512,9 +516,10 @@ def test_the_cases_cover_splits_lanes_and_parts():
 
 
 def _signature(kernel: str) -> list[tuple[str, str]]:
-    """``(type, name)`` of each parameter of a kernel in higgs.cu (the attention kernels' macro, or ``higgs_merge``)."""
+    """``(type, name)`` of each parameter of a kernel in higgs.cu (the attention kernels' macro, ``higgs_merge`` or
+    ``higgs_decode``)."""
     text = (SOURCE_DIR / "higgs.cu").read_text().replace("\\\n", "\n")
-    head = "NAME(" if kernel != "higgs_merge" else "higgs_merge("
+    head = f"{kernel}(" if kernel in ("higgs_merge", "higgs_decode") else "NAME("
     params = text[text.index(head) + len(head) : text.index(") {", text.index(head))].split(",")
     out = []
     for param in (" ".join(x.split()) for x in params):
