@@ -370,6 +370,20 @@ inline void dot_channels_f64(const float* buf, const float* const* q, int D, dou
 #endif
 }
 
+// O_est of one query row into x[0..D): p(t) * |v8(t, c)| over the top-k tokens id[0..kk), summed by the
+// pairwise tree of kvquant.alignment.pairwise_sum (x holds (kk + 1) * D).
+template <class HighByte>
+void o_estimate(const double* p, const int64_t* id, int64_t kk, int D, const float* v8, HighByte&& high_byte,
+                std::vector<double>& x) {
+  for (int64_t j = 0; j < kk; ++j)
+    for (int c = 0; c < D; ++c) x[j * D + c] = p[id[j]] * double(v8[high_byte(id[j], c)]);
+  for (int64_t len = kk; len > 1; len = (len + 1) / 2) {
+    if (len % 2) std::fill(x.begin() + len * D, x.begin() + (len + 1) * D, 0.0);
+    for (int64_t j = 0; j < (len + 1) / 2; ++j)
+      for (int c = 0; c < D; ++c) x[j * D + c] = x[2 * j * D + c] + x[(2 * j + 1) * D + c];
+  }
+}
+
 // One key of the planes (block token t) at its widths, scored in fp64 as the exact path scores it.
 inline double plane_key_score(const PlaneArgs& s, int64_t b, int64_t h, int64_t t, const float* q, int D,
                               double scaling) {
@@ -511,15 +525,7 @@ bool block_rule_fast(const PlanesFormat<NC>& f, const Problem& P, const AlignedR
   std::vector<double> x(static_cast<size_t>((kk + 1) * D));
   std::vector<int32_t> eo_lo(D), eo_hi(D);
   for (int64_t r = 0; r < R; ++r) {
-    const double* srow = S + r * L;
-    const int64_t* id = idx.data() + r * kk;
-    for (int64_t j = 0; j < kk; ++j)
-      for (int c = 0; c < D; ++c) x[j * D + c] = srow[id[j]] * double(rule.v8[high_byte(id[j], c)]);
-    for (int64_t len = kk; len > 1; len = (len + 1) / 2) {
-      if (len % 2) std::fill(x.begin() + len * D, x.begin() + (len + 1) * D, 0.0);
-      for (int64_t j = 0; j < (len + 1) / 2; ++j)
-        for (int c = 0; c < D; ++c) x[j * D + c] = x[2 * j * D + c] + x[(2 * j + 1) * D + c];
-    }
+    o_estimate(S + r * L, idx.data() + r * kk, kk, D, rule.v8, high_byte, x);
     for (int c = 0; c < D; ++c) {
       const int32_t a = floor_log2(x[c] * lo_e[r] * (1 - 1e-12)), z = floor_log2(x[c] * hi_e[r] * (1 + 1e-12));
       eo_lo[c] = r == 0 ? a : std::min(eo_lo[c], a);
@@ -658,13 +664,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
           idx[j] = above ? t0 + j : idx[j];
         }
       }
-      for (int64_t j = 0; j < kk; ++j)
-        for (int c = 0; c < D; ++c) x[j * D + c] = srow[idx[j]] * double(rule.v8[high_byte(idx[j], c)]);
-      for (int64_t len = kk; len > 1; len = (len + 1) / 2) {
-        if (len % 2) std::fill(x.begin() + len * D, x.begin() + (len + 1) * D, 0.0);
-        for (int64_t j = 0; j < (len + 1) / 2; ++j)
-          for (int c = 0; c < D; ++c) x[j * D + c] = x[2 * j * D + c] + x[(2 * j + 1) * D + c];
-      }
+      o_estimate(srow, idx.data(), kk, D, rule.v8, high_byte, x);
       for (int c = 0; c < D; ++c) {
         const int32_t e = floor_log2(x[c]);
         e_row[c] = r == 0 ? e : std::min(e_row[c], e);

@@ -31,7 +31,9 @@ With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on 
   (the whole step as ``backend=cpu`` runs it, ``kernels_cpu.attend_aligned``: the value rule on fp64
   scores, then the attention; time / fused fp16) and ``id`` (the byte-proportional ideal, bits / 16);
 - ``bk16``/``bk32``/``bk64``: the block-bound rule (``alignedkv_block``) at that ``v_block``, its whole
-  step as ``backend=cpu`` runs it (``attend_aligned`` with ``block_rule``), after its ``bits``: time / fused fp16.
+  step as ``backend=cpu`` runs it (``attend_aligned`` with ``block_rule``), after its ``bits``: time / fused fp16;
+  ``fp32``: the share of those steps' (head, row) items the rule decided from fp32 scores within their error
+  bounds (``kernels_cpu.aligned_rule_counts``; the rest were rescored in fp64).
 
 With ``--higgs``, HIGGS stores (``kernels_cpu.attend_higgs``; default group 1,024 channels, 4 fp16
 sinks, a 128-token fp16 window, random codes) against fused fp16 on the same shape (``fp16``, ms):
@@ -261,13 +263,16 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
         fns[f"bk{v_block}"] = lambda wk=wk, kept=kept, v_block=v_block: kernels_cpu.attend_aligned(
             q, kept, k_widths=wk, v8=v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=v_block, block_rule=True
         )
+    before = kernels_cpu.aligned_rule_counts()
     t = interleaved_ms(fns, repeats, flush)
+    after = kernels_cpu.aligned_rule_counts()
+    fp32, fp64 = after[0] - before[0], after[1] - before[1]  # every attend_aligned call here was timed
     row = f" {t['fp16']:>7.2f}" + "".join(f" {t[f'u{w}'] / t['fp16']:>5.2f}" for w in (8, 12, 16))
     for b in V_BLOCKS:
         row += f" {bits[b]:>5.2f} {t[f'vb{b}'] / t['fp16']:>5.2f} {t[f'st{b}'] / t['fp16']:>5.2f} {bits[b] / 16:>5.2f}"
     for b in BLOCK_RULE:
         row += f" {bits[f'bk{b}']:>5.2f} {t[f'bk{b}'] / t['fp16']:>5.2f}"
-    return row
+    return row + f" {fp32 / max(1, fp32 + fp64):>5.3f}"
 
 
 HIGGS_BITS, HIGGS_SINK = 2, 4
@@ -315,7 +320,7 @@ def higgs_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torch
 def planes_header() -> str:
     head = f"{'shape':<15} {'ctx':>6} {'fp16':>7} {'u8':>5} {'u12':>5} {'u16':>5}"
     head += "".join(f" {'bits':>5} {f'vb{b}':>5} {f'st{b}':>5} {'id':>5}" for b in V_BLOCKS)
-    return head + "".join(f" {'bits':>5} {f'bk{b}':>5}" for b in BLOCK_RULE)
+    return head + "".join(f" {'bits':>5} {f'bk{b}':>5}" for b in BLOCK_RULE) + f" {'fp32':>5}"
 
 
 def main(argv: list[str] | None = None) -> int:
