@@ -855,7 +855,7 @@ struct AlignedRule {
   // value_block tokens and channel, the largest exponent field of plane A, v_exp [B, H, nb*64/value_block, D].
   int64_t value_block = 0;
   Bytes v_exp;
-  // The block rule decides from fp32 scores within proven bounds (planes.cpp, block_rule_fast), which
+  // The rule decides from fp32 scores within proven bounds (planes.cpp, rule_from_fp32), which
   // need each channel's max |K| (fp16 [B, H, D], kvquant's PlaneStore.k_absmax); without it, or with
   // exact_scores, every score is fp64.
   const uint16_t* k_absmax = nullptr;

@@ -144,21 +144,21 @@ def attend_aligned(
     (``kvquant.alignment.high_byte_values``); ``v_thresholds`` ``(t12, t8)``. ``store`` as
     ``attend_planes``'; ``v_widths`` int32 ``[B, Hkv, nb·64]`` (the block tokens). ``block_rule``: the
     block-bound rule (``kvquant.alignment.block_value_widths``) from the store's ``v_exp`` per
-    ``value_block`` tokens instead of the paper's per-token gaps; it decides from fp32 scores where their
-    error bounds (from the store's ``k_absmax``) prove the fp64 widths, and rescores in fp64 elsewhere
+    ``value_block`` tokens instead of the paper's per-token gaps. Either rule decides from fp32 scores where
+    their error bounds (from the store's ``k_absmax``) prove the fp64 widths, and rescores in fp64 elsewhere
     (``exact_scores``: always; ``aligned_rule_counts`` tells how often). A multi-token step needs its mask
     (the rule reads no causal limit)."""
     keys, _, length = _plane_stored(q, store, k_widths)
     values = (store.v_a, store.v_b, store.v_c, store.tail_v, bool(store.tiny_k), bool(store.tiny_v))
     rule = (v8.float().contiguous(), float(v_thresholds[0]), float(v_thresholds[1]), int(topk), int(v_block))
     rule += (store.v_exp, int(store.value_block)) if block_rule else (None, 0)
-    rule += (store.k_absmax if block_rule else None, bool(exact_scores))
+    rule += (store.k_absmax, bool(exact_scores))
     out, wv = call("attend_aligned", q, (*keys, *values), mask, length, _scaling(scaling, q), *rule)
     return as_query(out, q), wv.to(torch.int32)
 
 
 def aligned_rule_counts() -> tuple[int, int]:
-    """``(fp32, fp64)``: block-rule (KV head, batch row) items this process decided from fp32 scores within
+    """``(fp32, fp64)``: ``attend_aligned``'s (KV head, batch row) items this process decided from fp32 scores within
     their bounds, and those the bounds could not decide (rescored in fp64)."""
     fast, exact = module().aligned_rule_counts()
     return int(fast), int(exact)

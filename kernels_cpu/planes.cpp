@@ -384,6 +384,14 @@ void o_estimate(const double* p, const int64_t* id, int64_t kk, int D, const flo
   }
 }
 
+// The paper's rule with v_block > 1: each block of v_block tokens read at its widest token's width.
+inline void widest_per_block(uint8_t* wv, int64_t nv, int64_t v_block) {
+  for (int64_t t0 = 0; v_block > 1 && t0 < nv; t0 += v_block) {
+    const int64_t te = std::min(nv, t0 + v_block);
+    std::fill(wv + t0, wv + te, *std::max_element(wv + t0, wv + te));
+  }
+}
+
 // One key of the planes (block token t) at its widths, scored in fp64 as the exact path scores it.
 inline double plane_key_score(const PlaneArgs& s, int64_t b, int64_t h, int64_t t, const float* q, int D,
                               double scaling) {
@@ -401,23 +409,24 @@ inline double plane_key_score(const PlaneArgs& s, int64_t b, int64_t h, int64_t 
   return acc * scaling;
 }
 
-// Counts of block-rule items decided from fp32 scores and of those that needed the fp64 path
+// Counts of items decided from fp32 scores and of those that needed the fp64 path
 // (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
 std::atomic<int64_t> fast_items{0}, exact_items{0};
 
-// The block rule (kvquant.alignment.block_value_widths) decided from fp32 scores where that provably
-// gives the fp64 path's widths; false (and nothing usable written) where it cannot tell, so the caller
-// runs the fp64 path. Why: the rule's fp64 scores cost more than fused fp16's whole step on AVX2.
+// The value rule (the paper's per token, kvquant.alignment.value_widths, or the block rule,
+// block_value_widths) decided from fp32 scores where that provably gives the fp64 path's widths; false (and
+// nothing usable written) where it cannot tell, so the caller runs the fp64 path. Why: the rule's fp64 scores
+// cost about a third of fused fp16's whole step on AVX2.
 // Each fp32 score s~ is within dl of the exact one: an fp32 FMA chain over D products errs by at most
 // gamma_D * sum_c |q_c k_c| (gamma_D = D u / (1 - D u), u = 2^-24), and |k_c| <= 1.126 |K|max_c + 2^-14
 // for a key read at any width (the fill raises a magnitude by at most 1/8, subnormals by 2^-15). The
 // strided top-k classes' contenders (within 2 dl of the class's best) are rescored in fp64 (dx: ours and
 // torch's fp64 sums both within D 2^-53 sum|q k| of the exact one), so the top-k, the max and O_est's
 // addends are exact up to dx. Every probability then lies in p~ * [lo, hi] from those bounds and the
-// bounds of the softmax sum; O_est's exponents and each block's largest e(p) are taken at both ends, and
-// a block whose width differs between them (or a probability near underflow) sends the item to fp64.
+// bounds of the softmax sum; O_est's exponents and each block's (or token's) largest e(p) are taken at both
+// ends, and one whose width differs between them (or a probability near underflow) sends the item to fp64.
 template <int NC>
-bool block_rule_fast(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule& rule, int64_t b, int64_t h,
+bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule& rule, int64_t b, int64_t h,
                      const std::vector<const float*>& q, const std::vector<int64_t>& moff, double* S, uint8_t* wv) {
   const int D = P.D;
   const int64_t L = P.L, R = int64_t(P.g) * P.Q, nv = f.s.nb * KB, kk = std::min<int64_t>(L, rule.topk);
@@ -538,18 +547,28 @@ bool block_rule_fast(const PlanesFormat<NC>& f, const Problem& P, const AlignedR
     o_hi[c] = int16_t(std::clamp(eo_hi[c], -(1 << 14), 1 << 14) + 15);
   }
   auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
-  for (int64_t t0 = 0; t0 < nv; t0 += rule.value_block) {
-    const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
+  const int64_t span = rule.value_block > 0 ? rule.value_block : 1;  // tokens sharing one width
+  for (int64_t t0 = 0; t0 < nv; t0 += span) {
     int16_t g_lo = std::numeric_limits<int16_t>::max(), g_hi = g_lo;
-    for (int c = 0; c < D; ++c) {
-      g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - exb[c]));
-      g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - exb[c]));
+    if (rule.value_block > 0) {  // the block rule: the exponent bytes kept at append
+      const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
+      for (int c = 0; c < D; ++c) {
+        g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - exb[c]));
+        g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - exb[c]));
+      }
+    } else {  // the paper's rule: the token's plane-A exponent fields
+      const uint8_t* row = f.s.va.at(b, h, t0);
+      for (int c = 0; c < D; ++c) {
+        const int16_t field = (row[c] >> 2) & 0x1f;
+        g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - field));
+        g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - field));
+      }
     }
     double top_lo = 0.0, top_hi = 0.0;
     for (int64_t r = 0; r < R; ++r) {
       const double* srow = S + r * L;
       const uint8_t* e = ex.data() + r * L;
-      for (int64_t t = t0; t < t0 + rule.value_block; ++t) {
+      for (int64_t t = t0; t < t0 + span; ++t) {
         top_hi = std::max(top_hi, srow[t] * (e[t] ? hi_e[r] : hi_a[r]));
         top_lo = std::max(top_lo, srow[t] * (e[t] ? lo_e[r] : lo_a[r]));
       }
@@ -562,8 +581,9 @@ bool block_rule_fast(const PlanesFormat<NC>& f, const Problem& P, const AlignedR
       w = width(float(g_lo) - float(floor_log2(top_hi)));
       if (w != narrow) return false;
     }
-    std::fill(wv + t0, wv + t0 + rule.value_block, w);
+    std::fill(wv + t0, wv + t0 + span, w);
   }
+  if (rule.value_block == 0) widest_per_block(wv, nv, rule.v_block);
   return true;
 }
 
@@ -593,8 +613,8 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
   }
   alignas(64) float buf[SB * DMAX];
   auto st = f.state(P);
-  const bool fast = rule.value_block > 0 && !rule.exact_scores && block_rule_fast(f, P, rule, b, h, q, moff, S.data(), wv);
-  if (rule.value_block > 0 && !rule.exact_scores) ++(fast ? fast_items : exact_items);
+  const bool fast = !rule.exact_scores && rule_from_fp32(f, P, rule, b, h, q, moff, S.data(), wv);
+  if (!rule.exact_scores) ++(fast ? fast_items : exact_items);
   alignas(64) double dots[4 * W];
   for (int64_t t0 = 0; !fast && t0 < L; t0 += SB) {  // logits: exact products, fp64 sums over channels
     const int n = int(std::min<int64_t>(SB, L - t0));
@@ -701,11 +721,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
         for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ((row[c] >> 2) & 0x1f)));
         wv[t] = width(smax[t] == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(score_exponent(t)));
       }
-      for (int64_t t0 = 0; rule.v_block > 1 && t0 < nv; t0 += rule.v_block) {  // each v_block at its widest
-        const int64_t te = std::min(nv, t0 + rule.v_block);
-        const uint8_t w = *std::max_element(wv + t0, wv + te);
-        std::fill(wv + t0, wv + te, w);
-      }
+      widest_per_block(wv, nv, rule.v_block);
     }
   }
   alignas(64) float p[NRMAX * BT];

@@ -32,8 +32,8 @@ With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on 
   scores, then the attention; time / fused fp16) and ``id`` (the byte-proportional ideal, bits / 16);
 - ``bk16``/``bk32``/``bk64``: the block-bound rule (``alignedkv_block``) at that ``v_block``, its whole
   step as ``backend=cpu`` runs it (``attend_aligned`` with ``block_rule``), after its ``bits``: time / fused fp16;
-  ``fp32``: the share of those steps' (head, row) items the rule decided from fp32 scores within their error
-  bounds (``kernels_cpu.aligned_rule_counts``; the rest were rescored in fp64).
+  ``fp32``: the share of the timed ``st``/``bk`` steps' (head, row) items the rules decided from fp32 scores
+  within their error bounds (``kernels_cpu.aligned_rule_counts``; the rest were rescored in fp64).
 
 With ``--higgs``, HIGGS stores (``kernels_cpu.attend_higgs``; default group 1,024 channels, 4 fp16
 sinks, a 128-token fp16 window, random codes) against fused fp16 on the same shape (``fp16``, ms):

@@ -372,13 +372,14 @@ def test_aligned_block_rule_decides_the_torch_rules_widths(built, threads, shape
         assert_close(out, reference(q, keys, store.read_values(expected, torch.float32), mask))
 
 
+@pytest.mark.parametrize("rule", ["paper", "block"])
 @pytest.mark.parametrize("shape", PLANE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_block_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape):
-    """The block rule decides from fp32 scores where their error bounds prove the widths: the same widths as
+def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, rule):
+    """The value rule decides from fp32 scores where their error bounds prove the widths: the same widths as
     ``exact_scores`` (fp64 throughout) and the torch rule, bool and additive masks, most items decided from
     fp32; with ``k_absmax`` inflated 2^14 times (bounds too wide to decide anything) every item goes to fp64
-    and still gives those widths."""
-    from kvquant.alignment import block_value_widths, high_byte_values
+    and still gives those widths. The paper's rule at ``v_block`` 16, the block rule at 32."""
+    from kvquant.alignment import block_value_widths, block_widths, high_byte_values, value_widths
     from kvquant.formats.planes import scores as _scores
 
     b, hq, hkv, q_len, length, d, blockwise = shape
@@ -386,15 +387,21 @@ def test_block_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, sha
     bool_mask = causal_padding_mask(b, q_len, length, [min(i * 7, length - q_len) for i in range(b)])
     float_mask = torch.zeros(bool_mask.shape).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
     v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
-    store = plane_store(b, hkv, length, d, True, blockwise, seed=length + d + 1, value_block=32)
+    block = rule == "block"
+    store = plane_store(b, hkv, length, d, True, blockwise, seed=length + d + 1, value_block=32 if block else 0)
     nb = store.n_full // 64
     wk = random_widths(b, hkv, nb, d, seed=1) if blockwise else random_widths(b, hkv, d, seed=1)
     keys = store.read_keys(wk, torch.float32)
-    kw = dict(k_widths=wk, v8=v8, v_thresholds=(4.0, 8.0), topk=32, v_block=32, block_rule=True)
+    v_block = 32 if block else 16
+    kw = dict(k_widths=wk, v8=v8, v_thresholds=(4.0, 8.0), topk=32, v_block=v_block, block_rule=block)
     fast = 0
     for mask in (bool_mask, float_mask):
         scores = _scores(q, keys, mask, d**-0.5, None, torch.float64)
-        expected = block_value_widths(scores, store.v_exp, store.high_bytes_at, (4.0, 8.0), 32, 32) if nb else None
+        if block:
+            expected = block_value_widths(scores, store.v_exp, store.high_bytes_at, (4.0, 8.0), 32, 32) if nb else None
+        else:
+            paper = value_widths(scores, store.value_high_bytes(), (4.0, 8.0), 32)[:, :, : store.n_full]
+            expected = block_widths(paper, v_block)
         before = kernels_cpu.aligned_rule_counts()
         out, wv = kernels_cpu.attend_aligned(q, store, mask=mask, **kw)
         fast += kernels_cpu.aligned_rule_counts()[0] - before[0]
@@ -406,7 +413,7 @@ def test_block_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, sha
     before = kernels_cpu.aligned_rule_counts()
     _, wv = kernels_cpu.attend_aligned(q, store, mask=bool_mask, **kw)
     after = kernels_cpu.aligned_rule_counts()
-    assert after[0] == before[0] and (nb == 0 or after[1] - before[1] == b * hkv)
+    assert nb == 0 or (after[0] == before[0] and after[1] - before[1] == b * hkv)
     assert torch.equal(wv, exact_wv)
 
 
