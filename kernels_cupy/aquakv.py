@@ -35,16 +35,15 @@ from kernels_cupy.higgs import (
     COORDS_PER_LANE,
     HEAD_DIM_MAX,
     PADDED_MAX,
-    PROMPT_QUERIES,
     SOURCE,
     THREADS,
     ZBUF,
     lane_groups,
     lanes_per_token,
-    launches,
+    launched,
     rope_kind,
 )
-from kernels_cupy.loader import i32, launch, ptr, sm_count
+from kernels_cupy.loader import i32, launch, ptr
 from kvquant.formats.base import Reads
 
 Pred = tuple[torch.Tensor, torch.Tensor] | None
@@ -94,20 +93,8 @@ def attend_aquakv(
 ) -> tuple[torch.Tensor, Reads]:
     """The backend protocol for format ``aquakv`` (an ``AquaKVState`` whose ``rows`` the cache filled this
     forward): ``(out, Reads())``, ``kvquant.formats.higgs.attend`` up to fp32 summation order."""
-    b, hq, q_len, d = query.shape
-    check_state(state, d, state.k_win.recent.shape[1])
-    if q_len > PROMPT_QUERIES:
-        from kvquant.formats.higgs import attend
-
-        return attend(state, None, query, mask, scaling)[0], Reads()
-    if not query.is_cuda:
-        raise ValueError(f"kernels_cupy: the AQUA-KV kernel needs CUDA tensors, got the query on {query.device}")
-    if state.n_sinks + state.n_codes + state.n_recent == 0:
-        return query.new_zeros(query.shape), Reads()
-    steps, out, _held = launches(state, query, mask, scaling, sm_count(query.device.index or 0))
-    for name, grid, shared, args in steps:
-        launch(SOURCE, name, grid, THREADS, args, shared_mem=shared)
-    return out.view(b, hq, q_len, d).to(query.dtype), Reads()
+    check_state(state, query.shape[-1], state.k_win.recent.shape[1])
+    return launched(state, query, mask, scaling, "AQUA-KV")
 
 
 # ---------------------------------------------------------------- the reconstruction (``higgs_decode`` + cuBLAS)

@@ -407,14 +407,20 @@ def attend_higgs(
 ) -> tuple[torch.Tensor, Reads]:
     """The backend protocol for format ``higgs`` (a ``HiggsState``, keys coded before or after RoPE):
     ``(out, Reads())``."""
+    check_state(state, query.shape[-1], state.k_win.recent.shape[1])
+    return launched(state, query, mask, scaling, "HIGGS")
+
+
+def launched(state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling: float, what: str):
+    """A checked HIGGS or AQUA-KV state's attention: ``launches`` on the GPU for a decode step, the torch
+    reference for a prompt chunk of more than ``PROMPT_QUERIES`` queries; ``(out, Reads())``."""
     b, hq, q_len, d = query.shape
-    check_state(state, d, state.k_win.recent.shape[1])
     if q_len > PROMPT_QUERIES:
         from kvquant.formats.higgs import attend
 
         return attend(state, None, query, mask, scaling)[0], Reads()
     if not query.is_cuda:
-        raise ValueError(f"kernels_cupy: the HIGGS kernel needs CUDA tensors, got the query on {query.device}")
+        raise ValueError(f"kernels_cupy: the {what} kernel needs CUDA tensors, got the query on {query.device}")
     if state.n_sinks + state.n_codes + state.n_recent == 0:
         return query.new_zeros(query.shape), Reads()
     steps, out, _held = launches(state, query, mask, scaling, sm_count(query.device.index or 0))
