@@ -18,6 +18,9 @@ setup:
 	HF_HUB_OFFLINE=1 $(PY) -m kvquant.models warm stories260k smollm2_135m
 	# The C++ CPU kernels, built once into the user cache dir (a failed build prints one line; torch is used then).
 	$(PY) -m kernels_cpu build
+	# The CUDA sources through nvcc for sm_80 and sm_90 (no GPU needed; one line without nvcc): the compile
+	# tests read these logs, recompiling only a source that changed since.
+	$(PY) -m kernels_cupy nvcc
 
 test:
 	$(VENV)/bin/ruff check .

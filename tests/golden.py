@@ -65,9 +65,11 @@ def predictor_dir(model, tok, where: Path, recording: bool = False) -> None:
 
     from kvquant import get_method
     from kvquant.methods.aquakv import model_identity
+    from kvquant.methods.aquakv.calibration import calibration_kv
 
     before = os.environ.get("KVQUANT_PREDICTOR_DIR")
     os.environ["KVQUANT_PREDICTOR_DIR"] = str(where)
+    kv = None  # the model's calibration K/V, collected once for every variant that calibrates
     try:
         for name in NEEDS_PREDICTORS:
             method = get_method(name)
@@ -78,7 +80,9 @@ def predictor_dir(model, tok, where: Path, recording: bool = False) -> None:
             if path.is_file():
                 continue
             if recording or ships is None:
-                method.calibrate(model, tok, **CALIB).save(path)
+                options = {k: v for k, v in CALIB.items() if k in ("n_seqs", "seq_len", "seed")}
+                kv = kv or calibration_kv(model, tok, **options, sink=method.sink)
+                method.calibrate(model, tok, **CALIB, kv=kv).save(path)
                 if ships:
                     shipped.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(path, shipped)

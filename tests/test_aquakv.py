@@ -258,12 +258,30 @@ def test_generate_and_ppl_beat_higgs(stories, calibrated, env_dir):
     assert nll["aquakv"] < nll["higgs"]
 
 
-def test_ablations_calibrate_only_their_predictors(stories):
-    k_only = get_method("aquakv_k_only", backend="torch").calibrate(*stories, **{**CALIB, "n_seqs": 2})
-    v_only = get_method("aquakv_v_only", backend="torch").calibrate(*stories, **{**CALIB, "n_seqs": 2})
+def test_ablations_calibrate_only_their_predictors_and_may_share_one_collection_of_kv(stories):
+    """Each variant fits only its predictors. ``calibration_kv`` once, then each variant's fit on it: the same
+    predictors and header as a calibration that collects its own K/V (the model's forward passes run once
+    for all three); K/V collected for other settings are refused in one line."""
+    from kvquant.methods.aquakv.calibration import calibration_kv
+
+    settings = {**CALIB, "n_seqs": 2}
+    kv = calibration_kv(*stories, n_seqs=2, seq_len=settings["seq_len"], seed=0)
+    assert len(kv.keys) == len(kv.values) == 5 and kv.keys[0].shape == (2 * (256 - SINK), 32)
+    own = {name: get_method(name, backend="torch").calibrate(*stories, **settings) for name in NAMES[1:]}
+    k_only, v_only = own["aquakv_k_only"], own["aquakv_v_only"]
     assert sorted(k_only.k) == [1, 2, 3, 4] and not k_only.v
     assert sorted(v_only.v) == [1, 2, 3, 4] and not v_only.k
     assert v_only.v[1][0].shape == (64, 32)  # [reconstructed keys of l, values of l-1] -> values of l
+    for name, own_fit in own.items():
+        shared = get_method(name, backend="torch").calibrate(*stories, **settings, kv=kv)
+        own_tensors = own_fit.tensors()
+        assert shared.tensors().keys() == own_tensors.keys() and own_tensors, name
+        assert all(torch.equal(t, own_tensors[k]) for k, t in shared.tensors().items()), name
+        assert shared.header["fit"] == own_fit.header["fit"] and shared.header["data"] == own_fit.header["data"]
+    for other in ({"n_seqs": 3}, {"seed": 1}, {"seq_len": 128}):
+        with pytest.raises(InvalidParameterError, match="collect them with calibration_kv") as err:
+            get_method("aquakv", backend="torch").calibrate(*stories, **{**settings, **other}, kv=kv)
+        assert "\n" not in str(err.value)
 
 
 def test_transformers_5_17_positional_cache_kwargs(stories):

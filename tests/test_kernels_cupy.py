@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from test_kernels_cupy_codes import nvcc_compile
 
 from kernels_cupy import SOURCES, cupy_status
 from kernels_cupy.launch import (
@@ -58,17 +57,11 @@ THRESHOLDS = [(4.0, 8.0), (1.0, 2.0), (2.5, 6.5), (math.inf, math.inf)]
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_source_compiles_to_sm80_ptx_without_warnings(source, tmp_path):
+def test_source_compiles_to_sm80_ptx_without_warnings(source):
     """sm_80 to PTX; sm_90 is compiled (warnings failing it too) by the spill test below."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    # -ftz=true as CuPy compiles; -Werror all-warnings turns every warning into a failure.
-    cmd = [nvcc, "-ptx", "-arch=sm_80", "-ftz=true", "-Werror", "all-warnings", f"-I{SOURCE_DIR}"]
-    done = subprocess.run([*cmd, str(SOURCE_DIR / source), "-o", str(tmp_path / "out.ptx")], capture_output=True)
-    log = (done.stdout + done.stderr).decode(errors="replace")
-    assert done.returncode == 0 and not log.strip(), log
-    assert ".entry" in (tmp_path / "out.ptx").read_text()
+    compiled = nvcc_compile(source, "sm_80")
+    assert not compiled.log.strip(), compiled.log
+    assert ".entry" in compiled.ptx
 
 
 def test_sources_are_self_contained_after_inlining_the_header():
@@ -261,18 +254,11 @@ SM90, SM80 = 232448, 166912
 
 
 @pytest.mark.parametrize("source", SOURCES)
-def test_no_kernel_spills_registers_on_sm90(source, tmp_path):
+def test_no_kernel_spills_registers_on_sm90(source):
     """sm_90 (what the H200 runs) without warnings, and ``ptxas -v``: no kernel spills to local memory."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    cmd = [nvcc, "-cubin", "-arch=sm_90", "-ftz=true", "-Werror", "all-warnings", "-Xptxas", "-v", f"-I{SOURCE_DIR}"]
-    done = subprocess.run([*cmd, str(SOURCE_DIR / source), "-o", str(tmp_path / "out.cubin")], capture_output=True)
-    log = (done.stdout + done.stderr).decode(errors="replace")
-    assert done.returncode == 0, log
-    assert not [line for line in log.splitlines() if line.strip() and not re.search(r"ptxas info|bytes stack", line)]
-    spills = [line for line in log.splitlines() if "spill" in line]
-    assert spills and all("0 bytes spill stores, 0 bytes spill loads" in line for line in spills), log
+    compiled = nvcc_compile(source, "sm_90")
+    assert not compiled.warnings(), compiled.log
+    assert compiled.frames() and all(f[1:] == (0, 0) for f in compiled.frames()), compiled.log
 
 
 @pytest.mark.parametrize("n", [1, 5, 64, 100, 4129, 32768])

@@ -5,8 +5,6 @@ against the reference on the same states."""
 
 from __future__ import annotations
 
-import re
-import shutil
 import subprocess
 import sys
 
@@ -35,7 +33,7 @@ from kernels_cupy.codes import (
     shared_bytes,
 )
 from kernels_cupy.codes_emulate import emulate, lane_codes
-from kernels_cupy.loader import SOURCE_DIR
+from kernels_cupy.nvcc import Compiled, compile_source
 from kvquant.cache import KVGeometry
 from kvquant.formats import codes as codes_format
 from kvquant.formats.codes import CodesState, QuantStore
@@ -99,35 +97,32 @@ def left_padding(b, n, pad):
 # ---------------------------------------------------------------- CPU: compile
 
 
-def nvcc_compile(source: str, arch: str, out: str, *extra: str) -> str:
-    """``kernels_cupy/<source>`` through nvcc for ``arch`` (every warning an error); the compiler's log."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    # -ftz=true as CuPy compiles; -Werror all-warnings turns every warning into a failure.
-    cmd = [nvcc, f"-arch={arch}", "-ftz=true", "-Werror", "all-warnings", *extra]
-    done = subprocess.run([*cmd, str(SOURCE_DIR / source), "-o", out], capture_output=True)
-    log = (done.stdout + done.stderr).decode(errors="replace")
-    assert done.returncode == 0, log
-    return log
+def nvcc_compile(source: str, arch: str) -> Compiled:
+    """``kernels_cupy/<source>`` through nvcc for ``arch`` as ``kernels_cupy.nvcc`` compiles it (every warning
+    an error; the log kept under a key of the source, header, flags and nvcc, so ``make setup``'s
+    ``python -m kernels_cupy nvcc`` has usually compiled it already); skipped without nvcc."""
+    try:
+        compiled = compile_source(source, arch)
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
+    assert compiled.returncode == 0, compiled.log
+    return compiled
 
 
-def test_codes_cu_compiles_to_sm80_ptx_without_warnings(tmp_path):
-    log = nvcc_compile("codes.cu", "sm_80", str(tmp_path / "out.ptx"), "-ptx")
-    assert not log.strip(), log
-    assert ".entry codes_kivi_b2_r1" in (tmp_path / "out.ptx").read_text()
+def test_codes_cu_compiles_to_sm80_ptx_without_warnings():
+    compiled = nvcc_compile("codes.cu", "sm_80")
+    assert not compiled.log.strip(), compiled.log
+    assert ".entry codes_kivi_b2_r1" in compiled.ptx
 
 
-def test_codes_cu_compiles_for_sm90_without_warnings_or_spills(tmp_path):
+def test_codes_cu_compiles_for_sm90_without_warnings_or_spills():
     """``ptxas -v`` on every kernel: no warning, no stack frame, no spill (the numbers in the README)."""
-    log = nvcc_compile("codes.cu", "sm_90", str(tmp_path / "out.cubin"), "-cubin", "-Xptxas", "-v")
-    info = re.compile(r"ptxas info|bytes stack frame")
-    assert not [line for line in log.splitlines() if line.strip() and not info.search(line)], log
-    entries = re.findall(r"Compiling entry function '(\w+)'", log)
+    compiled = nvcc_compile("codes.cu", "sm_90")
+    assert not compiled.warnings(), compiled.log
     names = {f"codes_{fmt}_b{bits}_r{rt}" for fmt, tiles in ROW_TILES.items() for rt in tiles for bits in (2, 4, 8)}
-    assert set(entries) == names | {"codes_merge"}
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) == len(entries) and all(f == ("0", "0", "0") for f in frames), log
+    assert set(compiled.entries()) == names | {"codes_merge"}
+    frames = compiled.frames()
+    assert len(frames) == len(compiled.entries()) and all(f == (0, 0, 0) for f in frames), compiled.log
 
 
 # ---------------------------------------------------------------- CPU: launch and argument helpers

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,37 @@ from kvquant.quant.rope import rope_layer_types, rope_tables, undo_rope
 CALIB_POOL = 2000  # calibration draws from the last CALIB_POOL TinyStories validation stories
 
 
+@dataclass(frozen=True)
+class CalibrationKV:
+    """The K/V a model writes for the calibration sequences, sinks dropped (``collect_kv``), with their data
+    record. Every AQUA-KV variant of one model fits on the same K/V for one (``n_seqs``, ``seq_len``, seed),
+    so fitting several variants needs the model's forward passes once (``calibrate(..., kv=)``)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    data: dict
+    seed: int
+    sink: int
+    seconds: float  # what collecting them took
+
+
+def calibration_kv(
+    model: Any,
+    tokenizer: Any,
+    n_seqs: int = 16,
+    seq_len: int = 1024,
+    seed: int = 0,
+    sink: int = SINK,
+    progress: bool = False,
+) -> CalibrationKV:
+    """Collect the calibration K/V once, to pass to ``calibrate`` for several variants."""
+    config = model.config.get_text_config(decoder=True)
+    started = time.perf_counter()
+    ids, data = calibration_ids(tokenizer, n_seqs, min(seq_len, config.max_position_embeddings), seed)
+    keys, values = collect_kv(model, ids, sink, progress)
+    return CalibrationKV(keys, values, data, seed, sink, time.perf_counter() - started)
+
+
 def calibrate(
     method: AquaKVMethod,
     model: Any,
@@ -37,21 +69,34 @@ def calibrate(
     lam: float = DEFAULT_LAMBDA,
     progress: bool = True,
     log: Callable[[str], None] | None = print,
+    kv: CalibrationKV | None = None,
 ) -> Predictors:
-    """Fit ``method``'s predictors for ``model`` on ``n_seqs`` held-out sequences of ``seq_len`` tokens."""
+    """Fit ``method``'s predictors for ``model`` on ``n_seqs`` held-out sequences of ``seq_len`` tokens: on
+    ``kv`` where given (collected by ``calibration_kv`` with the same settings and the method's sink)."""
     if method.predict == "none":
         raise InvalidParameterError(f"method {method.label}: no predictors to calibrate (predict=none)")
     geometry = KVGeometry.of(model.config)
     quants = method.quantizers(geometry)
     config = model.config.get_text_config(decoder=True)
-    ids, data = calibration_ids(tokenizer, n_seqs, min(seq_len, config.max_position_embeddings), seed)
+    if kv is None:
+        kv = calibration_kv(model, tokenizer, n_seqs, seq_len, seed, method.sink, progress)
+    want = {
+        "n_seqs": n_seqs,
+        "seq_len": min(seq_len, config.max_position_embeddings),
+        "seed": seed,
+        "sink": method.sink,
+    }
+    got = {"n_seqs": kv.data["n_seqs"], "seq_len": kv.data["seq_len"], "seed": kv.seed, "sink": kv.sink}
+    if got != want or len(kv.keys) != geometry.n_layers:
+        raise InvalidParameterError(
+            f"calibration: the K/V given were collected for {got} ({len(kv.keys)} layers), this calibration "
+            f"needs {want} ({geometry.n_layers} layers); collect them with calibration_kv(...) for these settings"
+        )
     pred = fit_predictors(
-        model,
-        ids,
+        kv,
         quants={i: quants[method.layer_bits(i)] for i in range(geometry.n_layers)},
         predict=method.predict,
         lam=lam,
-        sink=method.sink,
         progress=progress,
         log=log,
     )
@@ -60,7 +105,7 @@ def calibrate(
             "format": FORMAT,
             "model": model_identity(config),
             "quantizer": method.quantizer_identity(quants),
-            "data": data,
+            "data": kv.data,
             "seed": seed,
             "lambda": lam,
         }
@@ -148,12 +193,10 @@ def equivalent_bits(rel_mse: float) -> float:
 
 
 def fit_predictors(
-    model: Any,
-    ids: list[torch.Tensor],
+    kv: CalibrationKV,
     quants: dict[int, Higgs],
     predict: str = "kv",
     lam: float = DEFAULT_LAMBDA,
-    sink: int = SINK,
     progress: bool = True,
     log: Callable[[str], None] | None = print,
 ) -> Predictors:
@@ -161,8 +204,7 @@ def fit_predictors(
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
-    keys, values = collect_kv(model, ids, sink, progress)
-    collected = time.perf_counter() - started
+    keys, values = kv.keys, kv.values
     pred = Predictors({})
     fit: list[dict[str, float]] = []
     prev_k = prev_v = None
@@ -170,19 +212,23 @@ def fit_predictors(
     for layer in bar:
         k, v = keys[layer].float(), values[layer].float()
         quant = quants[layer]
+        k_higgs, v_higgs = (
+            quant.roundtrip(k),
+            quant.roundtrip(v),
+        )  # HIGGS alone: also the residual's without a predictor
         pk = ridge_fit(prev_k, k, lam) if layer > 0 and predict in ("k", "kv") else None
         out_k = apply_predictor(pk, prev_k) if pk is not None else torch.zeros_like(k)
-        rk = quant.roundtrip(k - out_k) + out_k
+        rk = (quant.roundtrip(k - out_k) if pk is not None else k_higgs) + out_k
         pv = ridge_fit(torch.cat([rk, prev_v], dim=-1), v, lam) if layer > 0 and predict in ("v", "kv") else None
         out_v = apply_predictor(pv, torch.cat([rk, prev_v], dim=-1)) if pv is not None else torch.zeros_like(v)
-        rv = quant.roundtrip(v - out_v) + out_v
+        rv = (quant.roundtrip(v - out_v) if pv is not None else v_higgs) + out_v
         if pk is not None:
             pred.k[layer] = pk
         if pv is not None:
             pred.v[layer] = pv
         row = {"layer": layer, "k_rel_mse": relative_mse(k, rk), "v_rel_mse": relative_mse(v, rv)}
-        row["k_rel_mse_higgs"] = relative_mse(k, quant.roundtrip(k))
-        row["v_rel_mse_higgs"] = relative_mse(v, quant.roundtrip(v))
+        row["k_rel_mse_higgs"] = relative_mse(k, k_higgs)
+        row["v_rel_mse_higgs"] = relative_mse(v, v_higgs)
         for kind in ("k", "v"):
             row[f"{kind}_equivalent_bits"] = equivalent_bits(row[f"{kind}_rel_mse"])
             row[f"{kind}_equivalent_bits_higgs"] = equivalent_bits(row[f"{kind}_rel_mse_higgs"])
@@ -195,7 +241,7 @@ def fit_predictors(
                 f"HIGGS alone {row['v_rel_mse_higgs']:.4f} ≈{row['v_equivalent_bits_higgs']:.2f})"
             )
         prev_k, prev_v = rk, rv
-    pred.header = {"fit": fit, "seconds": {"collect": collected, "total": time.perf_counter() - started}}
+    pred.header = {"fit": fit, "seconds": {"collect": kv.seconds, "total": kv.seconds + time.perf_counter() - started}}
     return pred
 
 
