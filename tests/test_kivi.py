@@ -37,8 +37,10 @@ def fill(method, context: int, layers: int = SMOLLM2.num_hidden_layers, seed: in
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def real_kv(model, tokenizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """K/V smollm2_135m writes for the first 2,048 WikiText-2 test tokens (shared with test_gear)."""
+    """K/V smollm2_135m writes for the first 2,048 WikiText-2 test tokens (shared with test_gear; captured
+    once per worker: readers must not write into them)."""
     from kvquant.analysis.capture import capture_kv
     from kvquant.data import wikitext2_test
 
