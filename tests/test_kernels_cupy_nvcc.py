@@ -78,3 +78,25 @@ def test_every_source_is_compiled_for_both_targets():
     jobs = {(s, a) for s in nvcc.ALL_SOURCES for a in nvcc.TARGETS}
     assert len(jobs) == 2 * len(set(nvcc.ALL_SOURCES)) == 12
     assert {p.name for p in SOURCE_DIR.glob("*.cu")} == set(nvcc.ALL_SOURCES)
+
+
+def test_the_command_prints_one_row_per_compile_and_fails_closed_under_strict(sources, monkeypatch, capsys):
+    from kernels_cupy.__main__ import main
+
+    (sources / "twice.cu").write_text(CLEAN)
+    (sources / "warns.cu").write_text(WARNS)
+    monkeypatch.setattr(nvcc, "ALL_SOURCES", ("twice.cu", "warns.cu"))
+    assert main(["nvcc"]) == 0 and main(["nvcc", "--strict"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split(" | ") for line in out if line.startswith("| ") and "---" not in line and "source" not in line]
+    assert sorted((r[0][2:], r[1], r[2]) for r in rows[:4]) == [
+        ("twice.cu", "sm_80", "ok"),
+        ("twice.cu", "sm_90", "ok"),
+        ("warns.cu", "sm_80", "FAILED"),
+        ("warns.cu", "sm_90", "FAILED"),
+    ]
+    assert out[-1].startswith("kernels_cupy: 2 of 4 compiles clean")
+    monkeypatch.setattr(nvcc, "nvcc_path", lambda: None)
+    monkeypatch.setattr("kernels_cupy.__main__.nvcc_path", lambda: None)
+    assert main(["nvcc"]) == 0 and main(["nvcc", "--strict"]) == 1
+    assert capsys.readouterr().out.count("nvcc is not on PATH") == 2
