@@ -170,6 +170,12 @@ LONGEST_FIRST = (
 # worker runs each of them whole, so the fixture is built once (a worker builds a module fixture once,
 # before the first of the module's tests it runs).
 WHOLE_MODULE = ("tests/test_sweeps.py", "tests/test_niah.py", "tests/test_conf_methods.py")
+# Tests of different modules that share a per-worker cache, given to one worker together (at the first's place):
+# test_kivi.real_kv, smollm2's K/V of 2,048 tokens (~20 s to capture), and real_error's kivi2 figure.
+SAME_WORKER = {
+    "tests/test_gear.py::test_gear2_beats_kivi2_on_real_kv": "smollm2 real K/V",
+    "tests/test_kivi.py::test_errors_on_real_kv": "smollm2 real K/V",
+}
 
 
 def _schedule_rank(item) -> int:
@@ -192,8 +198,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     """``-n``'s default ``--dist load``, as this suite needs it: tests handed out in the collected order
     (``LONGEST_FIRST`` first) one at a time to whichever worker is free, except that each
-    ``WHOLE_MODULE`` goes to one worker. (xdist's ``loadgroup`` would do this from ``xdist_group`` marks,
-    but it renames node ids, which pytest 9 no longer allows.) Other ``--dist`` modes are xdist's."""
+    ``WHOLE_MODULE`` goes to one worker, as do the tests of each ``SAME_WORKER`` group. (xdist's
+    ``loadgroup`` would do this from ``xdist_group`` marks, but it renames node ids, which pytest 9 no
+    longer allows.) Other ``--dist`` modes are xdist's."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -201,7 +208,7 @@ def pytest_xdist_make_scheduler(config, log):
     class Schedule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return module if module in WHOLE_MODULE else nodeid
+            return module if module in WHOLE_MODULE else SAME_WORKER.get(nodeid, nodeid)
 
     config.option.loadscopereorder = False  # keep the order above, not the biggest groups first
     return Schedule(config, log)
