@@ -112,7 +112,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     import pandas as pd
     from hydra.core.hydra_config import HydraConfig
 
-    from kvquant.data import wikitext2_test
+    from experiments.greedy import wikitext_ids
     from kvquant.errors import InvalidParameterError
     from kvquant.models import model_info
 
@@ -121,7 +121,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     contexts = [int(c) for c in exp.contexts if int(c) + exp.decode_steps < limit]
     if not contexts:
         raise InvalidParameterError(f"experiment.contexts leave no room to decode within the model's {limit} tokens")
-    ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
+    ids = wikitext_ids(tok)
     rows = []
     for method, context in progress([(m, c) for m in exp.methods for c in contexts], cfg, NAME):
         rows += measure(model, ids, method, context, exp.decode_steps)

@@ -124,9 +124,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from tqdm.auto import tqdm
 
+    from experiments.greedy import wikitext_ids
     from kvquant.analysis.relerr import relative_error_table
     from kvquant.analysis.timing import SHAPES, decode_step_time
-    from kvquant.data import wikitext2_test
     from kvquant.errors import InvalidParameterError
     from kvquant.eval.fidelity import greedy_decode
     from kvquant.methods import get_method
@@ -136,7 +136,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     limit = model.config.max_position_embeddings
     if max(exp.contexts) + exp.new_tokens > limit:
         raise InvalidParameterError(f"experiment.contexts up to {max(exp.contexts)} + {exp.new_tokens} exceed {limit}")
-    ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
+    ids = wikitext_ids(tok)
     points = [(label, rule, x, method.on_backend(exp.backend)) for label, rule, x, method in rule_configs(exp)]
     fp16 = get_method("fp16").on_backend(exp.backend)  # the reference on the same backend: no kernel-vs-SDPA noise
     shape = cfg.model.name if cfg.model.name in SHAPES and exp.time_repeats else None

@@ -20,9 +20,9 @@ from kvquant.eval.fidelity import Decoded, greedy_decode
 
 def wikitext_ids(tokenizer) -> torch.Tensor:
     """WikiText-2 (test) as one 1-D id tensor, tokenized as the scripts these tables replace did."""
-    from kvquant.data import wikitext2_test
+    from kvquant.data import corpus_ids
 
-    return tokenizer(wikitext2_test(), return_tensors="pt").input_ids[0]
+    return torch.tensor(corpus_ids(tokenizer, "wikitext", add_special_tokens=True))
 
 
 def windows(ids: torch.Tensor, n: int, length: int) -> list[torch.Tensor]:

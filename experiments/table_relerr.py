@@ -75,13 +75,13 @@ def percentages(text: str) -> dict[str, list[float]]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
+    from experiments.greedy import wikitext_ids
     from kvquant.analysis.relerr import relative_error_table
-    from kvquant.data import wikitext2_test
 
     exp, model, tok, device = start(cfg)
     context = min(int(exp.context), model.config.max_position_embeddings - 1)
     methods, skipped = build_methods(OmegaConf.to_container(exp.methods, resolve=True), model)
-    ids = tok(wikitext2_test(), return_tensors="pt").input_ids[0]
+    ids = wikitext_ids(tok)
     sums: dict[str, dict[str, float]] = {label: {} for label in methods}
     for i in progress(range(exp.prompts), cfg, NAME):
         shares_by_method = relative_error_table(model, ids[i * context : (i + 1) * context + 1], methods)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from array import array
 from pathlib import Path
+from typing import Any
 
-from kvquant.errors import KvquantError
+from kvquant.errors import InvalidParameterError, KvquantError
 
 DATASETS = Path(__file__).resolve().parent / "assets" / "datasets"
 
@@ -27,6 +30,53 @@ def tinystories_pieces() -> list[str]:
 def wikitext2_test() -> str:
     """WikiText-2 (raw) test split as the usual perplexity string ``"\\n\\n".join(rows)`` (LF line ends)."""
     return dataset_file("wikitext-2/wikitext-test.txt").read_text(encoding="utf-8").replace("\r\n", "\n")
+
+
+CORPORA = ("wikitext", "tinystories")
+_CORPUS_IDS: dict[tuple[str, ...], array] = {}
+_MAX_CORPUS_IDS = 8  # ~3 MB each: two corpora × a few tokenizers × with/without special tokens
+
+
+def corpus_text(corpus: str) -> str:
+    """A bundled corpus as one string: WikiText-2 test, or the TinyStories pieces joined by blank lines."""
+    if corpus == "wikitext":
+        return wikitext2_test()
+    if corpus == "tinystories":
+        return "\n\n".join(tinystories_pieces())
+    raise InvalidParameterError(f"unknown corpus '{corpus}'; valid corpora: {', '.join(CORPORA)}")
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str | None:
+    """A digest of everything a fast tokenizer's encoding follows (vocabulary, merges, normalizer,
+    pre-tokenizer, added tokens, whether special tokens are split), or None for a tokenizer without a
+    serialisable backend. Truncation and padding are left out: each call sets them anew."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    state = json.loads(backend.to_str())
+    state["truncation"] = state["padding"] = None
+    state["kvquant"] = [type(tokenizer).__qualname__, bool(getattr(tokenizer, "split_special_tokens", False))]
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def corpus_ids(tokenizer: Any, corpus: str, add_special_tokens: bool = False) -> list[int]:
+    """``tokenizer(corpus_text(corpus), add_special_tokens=...).input_ids``, kept per process.
+
+    Tasks, table cells and experiments slice windows, fillers and haystacks from the whole WikiText-2 or
+    TinyStories text; tokenizing it takes ~1.4 s on a CPU, so every cell of a table in one process used
+    to pay that again. The ids are kept under the tokenizer's fingerprint, so another (or a changed)
+    tokenizer never receives them; a tokenizer without one is simply called."""
+    text = corpus_text(corpus)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint is None:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    key = (fingerprint, corpus, str(add_special_tokens), hashlib.sha256(text.encode("utf-8")).hexdigest())
+    if key not in _CORPUS_IDS:
+        ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        while len(_CORPUS_IDS) >= _MAX_CORPUS_IDS:
+            del _CORPUS_IDS[next(iter(_CORPUS_IDS))]
+        _CORPUS_IDS[key] = array("l", ids)
+    return _CORPUS_IDS[key].tolist()
 
 
 def bundled(relative: str, task: str, hub: str) -> Path:

@@ -38,3 +38,33 @@ def test_missing_bundled_file_names_path_and_hub(monkeypatch, tmp_path):
     monkeypatch.setattr(data, "DATASETS", tmp_path)
     with pytest.raises(KvquantError, match=r"longbench/trec.jsonl.*task.source=hub .*THUDM/LongBench"):
         data.longbench("trec")
+
+
+@pytest.mark.parametrize("corpus", data.CORPORA)
+def test_corpus_ids_are_the_tokenizers_ids_and_are_kept_per_tokenizer(stories, corpus, monkeypatch):
+    """The kept ids equal a fresh call, with and without special tokens; the second request tokenizes
+    nothing; a tokenizer changed since (an added token) gets its own ids, not the kept ones."""
+    import copy
+
+    _, tok = stories
+    monkeypatch.setattr(data, "_CORPUS_IDS", {})
+    text = data.corpus_text(corpus)
+    want = {special: tok(text, add_special_tokens=special).input_ids for special in (False, True)}
+    for special in (False, True):
+        assert data.corpus_ids(tok, corpus, add_special_tokens=special) == want[special]
+    assert want[True][0] == tok.bos_token_id != want[False][0]
+    monkeypatch.setattr(type(tok), "__call__", lambda *a, **k: pytest.fail("tokenized again"))
+    assert data.corpus_ids(tok, corpus) == want[False] and data.corpus_ids(tok, corpus, True) == want[True]
+    monkeypatch.undo()
+
+    changed = copy.deepcopy(tok)
+    word = text.split()[3]
+    changed.add_tokens([word])
+    assert data.tokenizer_fingerprint(changed) != data.tokenizer_fingerprint(tok)
+    ids = data.corpus_ids(changed, corpus)
+    assert ids == changed(text, add_special_tokens=False).input_ids and len(tok) in ids
+
+
+def test_unknown_corpus_is_one_line(stories):
+    with pytest.raises(KvquantError, match="unknown corpus .nope.; valid corpora: wikitext, tinystories$"):
+        data.corpus_ids(stories[1], "nope")

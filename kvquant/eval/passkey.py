@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvquant.data import tinystories_pieces, wikitext2_test
+from kvquant.data import corpus_ids
 from kvquant.eval import intervals
 from kvquant.eval.engine import Engine, Generation, bos_prefix
 from kvquant.eval.scorers import first_number, passkey_match
@@ -79,8 +79,7 @@ class PasskeyTask(SuiteTask):
 
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
         tok = engine.tokenizer
-        text = wikitext2_test() if self.filler == "wikitext" else "\n\n".join(tinystories_pieces())
-        filler_ids = tok(text, add_special_tokens=False).input_ids
+        filler_ids = corpus_ids(tok, self.filler)
         room = engine.max_length - self.max_new_tokens
         cells = [c for c in self.cells() if c[0] <= engine.max_length]
         skipped = sorted({c[0] for c in self.cells() if c[0] > engine.max_length})

@@ -304,18 +304,11 @@ def fwe(name: str, length: int, index: int, seed: int, tokenizer, alpha: float =
     return Example(name, length, index, prefix + context + tail, vocab[1:4], "")
 
 
-_HAYSTACKS: dict[tuple[str, int, str], list[int]] = {}
-
-
 def haystack_ids(tokenizer, source: str) -> list[int]:
     """The bundled essay haystack's ids (``wikitext`` or ``tinystories``), encoded once per tokenizer."""
-    from kvquant.data import tinystories_pieces, wikitext2_test
+    from kvquant.data import corpus_ids
 
-    key = (str(getattr(tokenizer, "name_or_path", "")), len(tokenizer), source)
-    if key not in _HAYSTACKS:
-        text = wikitext2_test() if source == "wikitext" else "\n\n".join(tinystories_pieces())
-        _HAYSTACKS[key] = tokenizer(text, add_special_tokens=False).input_ids
-    return _HAYSTACKS[key]
+    return corpus_ids(tokenizer, source)
 
 
 def generate(subtask: str, length: int, index: int, seed: int, tokenizer, haystack: str = "wikitext") -> Example:

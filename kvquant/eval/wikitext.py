@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from kvquant.data import wikitext2_test
+from kvquant.data import corpus_ids
 from kvquant.eval import intervals
 from kvquant.eval.engine import Engine
 from kvquant.eval.perplexity import ppl_estimators, ppl_metrics
@@ -35,7 +35,7 @@ class WikiTextTask(SuiteTask):
 
     def evaluate(self, engine: Engine, progress: bool) -> Evaluation:
         self.check_context(engine.model, self.window, f"task.window={self.window}")
-        ids = engine.tokenizer(wikitext2_test(), add_special_tokens=False).input_ids
+        ids = corpus_ids(engine.tokenizer, "wikitext")
         windows = [ids[i : i + self.window] for i in range(0, len(ids) - self.window + 1, self.window)]
         windows = windows[: self.limit] if self.limit is not None else windows
         examples = []
