@@ -16,7 +16,9 @@ line, and the process exits 1 if any job failed. A single run keeps exit code 2.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -118,22 +120,46 @@ def read_examples(path: Path) -> list[dict] | None:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def resume_of(runner: object) -> str:
-    """How a runner module resumes (``RESUME``, default ``"run"``), checked."""
-    resume = getattr(runner, "RESUME", "run")
+def declared_resume(source: str) -> str | None:
+    """The value of a module's top-level ``RESUME = "<literal>"`` (``"run"`` where it binds no ``RESUME``), or
+    None where ``RESUME`` is bound any other way (computed, imported): then only importing the module tells."""
+    found = "run"
+    for node in ast.parse(source).body:
+        names = [a.asname or a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+        stored = [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+        if "RESUME" not in names + stored:
+            continue
+        simple = isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["RESUME"]
+        if not simple or not isinstance(node.value, ast.Constant) or not isinstance(node.value.value, str):
+            return None
+        found = node.value.value
+    return found
+
+
+def resume_of(runner: str) -> str:
+    """How the runner module ``experiments.<runner>`` resumes (its ``RESUME``, default ``"run"``), checked.
+
+    Read from the module's source where it is a literal, not by importing the module: a sweep job whose
+    results exist is then skipped without loading torch and transformers (~8 s of CPU in each fresh job
+    process of a resumed sweep)."""
+    spec = importlib.util.find_spec(f"experiments.{runner}")
+    origin = spec.origin if spec is not None else None
+    resume = declared_resume(Path(origin).read_text(encoding="utf-8")) if origin and origin.endswith(".py") else None
+    if resume is None:
+        resume = getattr(importlib.import_module(f"experiments.{runner}"), "RESUME", "run")  # raises if not found
     if resume not in RESUMES:
-        raise ValueError(f"{getattr(runner, '__name__', runner)}.RESUME = {resume!r}; expected one of {RESUMES}")
+        raise ValueError(f"experiments.{runner}.RESUME = {resume!r}; expected one of {RESUMES}")
     return resume
 
 
-def execute(cfg: DictConfig) -> tuple[str, Path]:
-    """Run one job; ``("done", results.json)``, or ``("skipped", the existing results.json)``."""
+def execute(cfg: DictConfig, threads: int | None = None) -> tuple[str, Path]:
+    """Run one job; ``("done", results.json)``, or ``("skipped", the existing results.json)``. ``threads``:
+    torch's thread count for the run (set once it is known that the job runs)."""
     config = OmegaConf.to_container(cfg, resolve=True)
     digest = config_hash(config)
     if str(CONF.parent) not in sys.path:  # experiments/ from a SLURM node or worker started elsewhere
         sys.path.insert(0, str(CONF.parent))
-    runner = importlib.import_module(f"experiments.{cfg.experiment.runner}")
-    resume = resume_of(runner)
+    resume = resume_of(cfg.experiment.runner)
     if resume == "never":
         print(f"{cfg.experiment.runner} measures time: never reused from an earlier run, measured now")
     elif resume == "run" and not cfg.rerun:
@@ -144,6 +170,11 @@ def execute(cfg: DictConfig) -> tuple[str, Path]:
             print(f"skip: results for this config already exist at {existing} (rerun=true recomputes)")
             return "skipped", existing
     run_dir = HydraConfig.get().runtime.output_dir
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    runner = importlib.import_module(f"experiments.{cfg.experiment.runner}")
 
     started = time.perf_counter()
     measured = runner.run(cfg)
@@ -236,12 +267,8 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     threads = job_threads(hydra_cfg.launcher)
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     try:
-        status, path = execute(cfg)
+        status, path = execute(cfg, threads)
     except KvquantError as exc:
         from experiments.calibrate import error_line  # a predictor error gets the calibrate command
 

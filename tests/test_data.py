@@ -40,29 +40,27 @@ def test_missing_bundled_file_names_path_and_hub(monkeypatch, tmp_path):
         data.longbench("trec")
 
 
-@pytest.mark.parametrize("corpus", data.CORPORA)
-def test_corpus_ids_are_the_tokenizers_ids_and_are_kept_per_tokenizer(stories, corpus, monkeypatch):
-    """The kept ids equal a fresh call, with and without special tokens; the second request tokenizes
-    nothing; a tokenizer changed since (an added token) gets its own ids, not the kept ones."""
+def test_corpus_ids_are_the_tokenizers_ids_and_are_kept_per_tokenizer(stories, monkeypatch):
+    """The kept ids equal a fresh call (WikiText-2 plain, TinyStories with special tokens); a second request
+    tokenizes nothing; a tokenizer changed since (an added token) gets its own ids, not the kept ones."""
     import copy
 
     _, tok = stories
     monkeypatch.setattr(data, "_CORPUS_IDS", {})
-    text = data.corpus_text(corpus)
-    want = {special: tok(text, add_special_tokens=special).input_ids for special in (False, True)}
-    for special in (False, True):
-        assert data.corpus_ids(tok, corpus, add_special_tokens=special) == want[special]
-    assert want[True][0] == tok.bos_token_id != want[False][0]
-    monkeypatch.setattr(type(tok), "__call__", lambda *a, **k: pytest.fail("tokenized again"))
-    assert data.corpus_ids(tok, corpus) == want[False] and data.corpus_ids(tok, corpus, True) == want[True]
-    monkeypatch.undo()
+    wikitext = tok(data.wikitext2_test(), add_special_tokens=False).input_ids
+    stories_text = "\n\n".join(data.tinystories_pieces())
+    tinystories = tok(stories_text, add_special_tokens=True).input_ids
+    assert tinystories[0] == tok.bos_token_id != wikitext[0]
+    assert data.corpus_ids(tok, "wikitext") == wikitext and data.corpus_ids(tok, "tinystories", True) == tinystories
+    with monkeypatch.context() as patched:
+        patched.setattr(type(tok), "__call__", lambda *a, **k: pytest.fail("tokenized again"))
+        assert data.corpus_ids(tok, "wikitext") == wikitext and data.corpus_ids(tok, "tinystories", True) == tinystories
 
     changed = copy.deepcopy(tok)
-    word = text.split()[3]
-    changed.add_tokens([word])
+    changed.add_tokens([stories_text.split()[3]])
     assert data.tokenizer_fingerprint(changed) != data.tokenizer_fingerprint(tok)
-    ids = data.corpus_ids(changed, corpus)
-    assert ids == changed(text, add_special_tokens=False).input_ids and len(tok) in ids
+    ids = data.corpus_ids(changed, "tinystories", True)
+    assert ids == changed(stories_text, add_special_tokens=True).input_ids and len(tok) in ids
 
 
 def test_unknown_corpus_is_one_line(stories):

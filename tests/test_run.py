@@ -1,6 +1,9 @@
 """The Hydra entry point, end to end, as a user runs it."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import ROOT, run_py
@@ -38,6 +41,16 @@ def test_run_writes_results_then_skips_then_reruns(tmp_path):
 
     again = run_cli(tmp_path, *FAST, "method=fp16", "task=tinystories", "task.limit=5")
     assert again.returncode == 0 and "skip:" in again.stdout
+    assert len(results_files(tmp_path)) == 1
+    # A new interpreter (a resumed sweep's job process) skips without importing torch or transformers.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    argv = [sys.executable, "-X", "importtime", str(ROOT / "run.py"), *FAST, "method=fp16", "task=tinystories"]
+    fresh = subprocess.run(
+        [*argv, "task.limit=5", f"results_dir={tmp_path}"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert fresh.returncode == 0 and "skip:" in fresh.stdout, fresh.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in fresh.stderr.splitlines() if line.startswith("import time:")}
+    assert "hydra" in imported and not {"torch", "transformers"} & imported
     assert len(results_files(tmp_path)) == 1
 
     forced = run_cli(tmp_path, *FAST, "method=fp16", "task=tinystories", "task.limit=5", "rerun=true")
@@ -178,3 +191,20 @@ def test_a_benchmark_is_measured_again_on_every_run_with_the_kernels_build_key(t
         assert len(results_files(tmp_path)) == run
     for path in results_files(tmp_path):
         assert json.loads(path.read_text())["env"]["kernels_cpu_build_key"] == build_key()
+
+
+def test_how_a_runner_resumes_is_read_from_its_source_as_importing_it_would_say():
+    """``run.resume_of`` reads ``RESUME`` without importing the runner; for every runner it says what the
+    imported module says, and a ``RESUME`` bound any other way than a string literal is left to the import."""
+    import importlib
+
+    import run
+
+    names = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if p.stem != "__init__")
+    assert {run.resume_of(n) for n in names} == {"run", "cells", "never"}
+    for name in names:
+        assert run.resume_of(name) == getattr(importlib.import_module(f"experiments.{name}"), "RESUME", "run"), name
+    assert run.declared_resume('X = 1\nRESUME = "never"  # timings\n') == "never"
+    assert run.declared_resume("import os\n") == "run"
+    for other in ("RESUME = pick()", "from x import RESUME", "RESUME: str = 'cells'", "RESUME, X = 'a', 1"):
+        assert run.declared_resume(other) is None, other
