@@ -6,7 +6,8 @@ forces), dispatches to ``experiments/<runner>.py``, writes results.json atomical
 A runner module may say how it resumes (``RESUME``): ``"run"`` (the default: a whole run is reused),
 ``"cells"`` (a table that reuses its cells, so the table run itself always runs) or ``"never"``
 (timings, which depend on code and machine as much as on the config: always measured again, with the
-C++ kernels' build key in ``env``).
+C++ kernels' build key in ``env``). It is read from the module's source (a string literal), so a job
+whose results exist is skipped before the runner, torch or transformers are imported.
 
 In a sweep (``-m``) a job that fails with a ``KvquantError`` prints its one-line error, writes
 ``job.json`` (status ``failed``) in its folder and lets the others run; ``SweepReport`` (a Hydra
