@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from array import array
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 from kvquant.errors import InvalidParameterError, KvquantError
 
 DATASETS = Path(__file__).resolve().parent / "assets" / "datasets"
+# The whole-text corpora (``corpus_text``) and their files under DATASETS.
+CORPORA = {"wikitext": "wikitext-2/wikitext-test.txt", "tinystories": "tinystories/tinystories_val.txt"}
 
 
 def dataset_file(relative: str) -> Path:
@@ -23,18 +26,18 @@ def dataset_file(relative: str) -> Path:
 
 def tinystories_pieces() -> list[str]:
     """TinyStories validation stories, split on blank lines (4,300 pieces)."""
-    text = dataset_file("tinystories/tinystories_val.txt").read_text(encoding="utf-8")
+    text = dataset_file(CORPORA["tinystories"]).read_text(encoding="utf-8")
     return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
 def wikitext2_test() -> str:
     """WikiText-2 (raw) test split as the usual perplexity string ``"\\n\\n".join(rows)`` (LF line ends)."""
-    return dataset_file("wikitext-2/wikitext-test.txt").read_text(encoding="utf-8").replace("\r\n", "\n")
+    return dataset_file(CORPORA["wikitext"]).read_text(encoding="utf-8").replace("\r\n", "\n")
 
 
-CORPORA = ("wikitext", "tinystories")
-_CORPUS_IDS: dict[tuple[str, ...], array] = {}
+_CORPUS_IDS: dict[tuple[object, ...], array] = {}
 _MAX_CORPUS_IDS = 8  # ~3 MB each: two corpora × a few tokenizers × with/without special tokens
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def corpus_text(corpus: str) -> str:
@@ -49,14 +52,23 @@ def corpus_text(corpus: str) -> str:
 def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     """A digest of everything a fast tokenizer's encoding follows (vocabulary, merges, normalizer,
     pre-tokenizer, added tokens, whether special tokens are split), or None for a tokenizer without a
-    serialisable backend. Truncation and padding are left out: each call sets them anew."""
+    serialisable backend. Truncation and padding are left out: each call sets them anew.
+
+    Kept per tokenizer object (SmolLM2's takes ~0.4 s to serialise) and computed again once its size or
+    special-token splitting changes (``add_tokens``, ``add_special_tokens``)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
+    mark = (len(tokenizer), bool(getattr(tokenizer, "split_special_tokens", False)))
+    kept = _FINGERPRINTS.get(tokenizer)
+    if kept is not None and kept[0] == mark:
+        return kept[1]
     state = json.loads(backend.to_str())
     state["truncation"] = state["padding"] = None
-    state["kvquant"] = [type(tokenizer).__qualname__, bool(getattr(tokenizer, "split_special_tokens", False))]
-    return hashlib.sha256(json.dumps(state, sort_keys=True).encode("utf-8")).hexdigest()
+    state["kvquant"] = [type(tokenizer).__qualname__, mark[1]]
+    digest = hashlib.sha256(json.dumps(state, sort_keys=True).encode("utf-8")).hexdigest()
+    _FINGERPRINTS[tokenizer] = (mark, digest)
+    return digest
 
 
 def corpus_ids(tokenizer: Any, corpus: str, add_special_tokens: bool = False) -> list[int]:
@@ -64,15 +76,18 @@ def corpus_ids(tokenizer: Any, corpus: str, add_special_tokens: bool = False) ->
 
     Tasks, table cells and experiments slice windows, fillers and haystacks from the whole WikiText-2 or
     TinyStories text; tokenizing it takes ~1.4 s on a CPU, so every cell of a table in one process used
-    to pay that again. The ids are kept under the tokenizer's fingerprint, so another (or a changed)
-    tokenizer never receives them; a tokenizer without one is simply called."""
-    text = corpus_text(corpus)
+    to pay that again. The ids are kept under the tokenizer's fingerprint (and the corpus file's size and
+    modification time), so another (or a changed) tokenizer never receives them; a tokenizer without a
+    fingerprint is simply called."""
+    if corpus not in CORPORA:
+        corpus_text(corpus)  # raises the one-line error
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:
-        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-    key = (fingerprint, corpus, str(add_special_tokens), hashlib.sha256(text.encode("utf-8")).hexdigest())
+        return list(tokenizer(corpus_text(corpus), add_special_tokens=add_special_tokens).input_ids)
+    stat = dataset_file(CORPORA[corpus]).stat()
+    key = (fingerprint, corpus, add_special_tokens, stat.st_size, stat.st_mtime_ns)
     if key not in _CORPUS_IDS:
-        ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        ids = tokenizer(corpus_text(corpus), add_special_tokens=add_special_tokens).input_ids
         while len(_CORPUS_IDS) >= _MAX_CORPUS_IDS:
             del _CORPUS_IDS[next(iter(_CORPUS_IDS))]
         _CORPUS_IDS[key] = array("l", ids)

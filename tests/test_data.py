@@ -57,6 +57,7 @@ def test_corpus_ids_are_the_tokenizers_ids_and_are_kept_per_tokenizer(stories, m
         assert data.corpus_ids(tok, "wikitext") == wikitext and data.corpus_ids(tok, "tinystories", True) == tinystories
 
     changed = copy.deepcopy(tok)
+    assert data.tokenizer_fingerprint(changed) == data.tokenizer_fingerprint(tok)  # kept for this object now
     changed.add_tokens([stories_text.split()[3]])
     assert data.tokenizer_fingerprint(changed) != data.tokenizer_fingerprint(tok)
     ids = data.corpus_ids(changed, "tinystories", True)
