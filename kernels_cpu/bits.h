@@ -119,6 +119,75 @@ template <int WB, bool TINY = true>
   }
 }
 
+// 64 consecutive elements of the planes at WB bits (a: 64 bytes of plane A; b, c: 32 bytes of B and C
+// nibbles) in four vectors, elements in the order of byte unpacks: out[0] = 0-7 and 16-23, out[1] = 32-39
+// and 48-55, out[2] = 8-15 and 24-31, out[3] = 40-47 and 56-63 (order64 restores 0-63). A consumer whose
+// sum does not care (a channel's key tokens scored into per-token sums, a value row added into per-channel
+// sums) keeps that order until its results are written. Why: each nibble plane is spread to its 64
+// elements' low bytes by one byte permute and two bitwise ops, the low bytes are interleaved with plane A
+// by two unpacks, and every vector op covers 64 elements; planes16 spends ~10 vector ops on 16, so a
+// 12-bit read cost more than a 16-bit fp16 load (kernels_cpu/README.md).
+template <int WB, bool TINY = true>
+[[gnu::always_inline]] inline void planes64(const uint8_t* a, const uint8_t* b, const uint8_t* c, vf* out) {
+  const __m512i av = _mm512_loadu_si512(a);
+  __m512i low;  // the low byte of each element, in element order
+  if constexpr (WB == 8) {
+    low = TINY ? _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(av, _mm512_set1_epi8(0x7f)), _mm512_set1_epi8(char(0x80)))
+               : _mm512_set1_epi8(char(0x80));
+  } else {
+    // byte j of a nibble plane into both bytes of word j; the even element takes the low nibble << 4
+    // (the word shifted left), the odd one the high nibble in place
+    const __m512i pairs = _mm512_set_epi8(31, 31, 30, 30, 29, 29, 28, 28, 27, 27, 26, 26, 25, 25, 24, 24,  //
+                                          23, 23, 22, 22, 21, 21, 20, 20, 19, 19, 18, 18, 17, 17, 16, 16,  //
+                                          15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8,      //
+                                          7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i bw = _mm512_permutexvar_epi8(pairs, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))));
+    // 0x00f0 ? bw << 4 : bw, bitwise; the B nibble of every element is then its byte's high nibble
+    low = _mm512_ternarylogic_epi32(_mm512_slli_epi16(bw, 4), bw, _mm512_set1_epi16(0x00f0), 0xe4);
+    if constexpr (WB == 12) {
+      if constexpr (TINY) {  // the fill only where plane A's magnitude bits or the B nibble are not 0
+        low = _mm512_and_si512(low, _mm512_set1_epi8(char(0xf0)));
+        const __m512i kept = _mm512_ternarylogic_epi32(av, _mm512_set1_epi8(0x7f), low, 0xea);  // (a & 0x7f) | low
+        low = _mm512_or_si512(low, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(kept, kept), _mm512_set1_epi8(0x08)));
+      } else {
+        low = _mm512_ternarylogic_epi32(low, _mm512_set1_epi8(char(0xf0)), _mm512_set1_epi8(0x08), 0xea);  // low & 0xf0 | 0x08
+      }
+    } else {  // C: the even element's low nibble in place, the odd one's high nibble shifted right
+      const __m512i cw = _mm512_permutexvar_epi8(pairs, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c))));
+      const __m512i cn = _mm512_ternarylogic_epi32(cw, _mm512_srli_epi16(cw, 4), _mm512_set1_epi16(0x00ff), 0xe4);
+      low = _mm512_ternarylogic_epi32(low, cn, _mm512_set1_epi8(char(0xf0)), 0xe4);  // 0xf0 ? low : cn
+    }
+  }
+  const __m512i w0 = _mm512_unpacklo_epi8(low, av), w1 = _mm512_unpackhi_epi8(low, av);
+  out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(w0));
+  out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w0, 1));
+  out[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(w1));
+  out[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w1, 1));
+}
+
+// planes64's order back to elements 0-15, 16-31, 32-47, 48-63.
+inline void order64(vf* v) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vf x0 = _mm512_permutex2var_ps(v[0], first, v[2]), x1 = _mm512_permutex2var_ps(v[0], second, v[2]);
+  const vf x2 = _mm512_permutex2var_ps(v[1], first, v[3]), x3 = _mm512_permutex2var_ps(v[1], second, v[3]);
+  v[0] = x0;
+  v[1] = x1;
+  v[2] = x2;
+  v[3] = x3;
+}
+
+// The inverse of order64, in place on 64 floats: elements 0-63 into planes64's order.
+inline void unorder64(float* x) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vf n0 = _mm512_loadu_ps(x), n1 = _mm512_loadu_ps(x + 16), n2 = _mm512_loadu_ps(x + 32), n3 = _mm512_loadu_ps(x + 48);
+  _mm512_storeu_ps(x, _mm512_permutex2var_ps(n0, first, n1));
+  _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(n2, first, n3));
+  _mm512_storeu_ps(x + 32, _mm512_permutex2var_ps(n0, second, n1));
+  _mm512_storeu_ps(x + 48, _mm512_permutex2var_ps(n2, second, n3));
+}
+
 #elif KVQ_AVX2
 
 inline vf halves(__m256i x) {

@@ -10,8 +10,8 @@ namespace {
 // fp16 rows truncated to k bits: half_rows with the read rule applied before the conversion.
 template <int NC>
 inline void half_rows_keep(const uint16_t* src, int64_t st, int n, int D, Keep k, float* buf) {
-  prefetch_rows(src + PF * st, 2 * st, n, 2 * D);
   for (int t = 0; t < n; ++t) {
+    prefetch_span(src + (t + PF) * st, 2 * D);  // a row at a time, as half_rows
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c)
       store(buf + t * NC * W + c * W, half_keep(src + t * st + c * W, lanes(D - c * W), k), lanes(W));

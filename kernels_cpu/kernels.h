@@ -201,8 +201,8 @@ inline void prefetch_rows(const void* p, int64_t stride_bytes, int n, int64_t ro
 // fp16 rows: lanes past D are written as zeros, so consumers may read whole chunks.
 template <int NC>
 inline void half_rows(const uint16_t* src, int64_t st, int n, int D, float* buf) {
-  prefetch_rows(src + PF * st, 2 * st, n, 2 * D);
   for (int t = 0; t < n; ++t) {
+    prefetch_span(src + (t + PF) * st, 2 * D);  // a row at a time: a burst of many lines stalls on fill buffers
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) {
       const uint16_t* p = src + t * st + c * W;

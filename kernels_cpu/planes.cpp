@@ -172,14 +172,174 @@ inline void key_group(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp
   key_channels<16, TINY>(ch, a, bp, cp, n, buf);
 }
 
+#if KVQ_AVX512
+// Scores of key block j's 64 tokens for NR (<= 4) rows, d[r*BT + t] = q_r . k_t in fp32: each channel's
+// 64 tokens read once at its width (planes64) and multiplied into every row's sums, which stay in
+// registers in planes64's token order until the end; no buffer. Prefetch: block j + PFB, channel by
+// channel as this block's widths read it (a burst of a whole block's lines stalls on fill buffers).
+template <int NR, bool TINY>
+void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
+                  float* d) {
+  const uint8_t *a = s.ka.at(b, h, j), *bp = s.kb.at(b, h, j), *cp = s.kc.at(b, h, j);
+  const int64_t ahead = j + PFB < s.nb ? PFB : 0;
+  const int64_t pa = ahead * s.ka.s2, pb = ahead * s.kb.s2, pc = ahead * s.kc.s2;
+  const bool near1 = j + 1 < s.nb;
+  vf acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < 4; ++u) acc[r][u] = zero();
+  auto channels = [&]<int WB>() {
+    const int k = (WB - 8) / 4;
+    for (int i = 0; i < ch.count[k]; ++i) {
+      const int c = ch.list[k][i];
+      const uint8_t *ac = a + c * KB, *bc = bp + c * KB / 2, *cc = cp + c * KB / 2;
+      if (ahead) {
+        __builtin_prefetch(ac + pa, 0, 2);
+        if (WB > 8) __builtin_prefetch(bc + pb, 0, 2);
+        if (WB > 12) __builtin_prefetch(cc + pc, 0, 2);
+      }
+      if (near1) {
+        __builtin_prefetch(ac + s.ka.s2, 0, 3);
+        if (WB > 8) __builtin_prefetch(bc + s.kb.s2, 0, 3);
+        if (WB > 12) __builtin_prefetch(cc + s.kc.s2, 0, 3);
+      }
+      vf x[4];
+      planes64<WB, TINY>(ac, bc, cc, x);
+      for (int r = 0; r < NR; ++r) {
+        const vf qc = set1(q[r][c]);
+        for (int u = 0; u < 4; ++u) acc[r][u] = fma(qc, x[u], acc[r][u]);
+      }
+    }
+  };
+  channels.template operator()<8>();
+  channels.template operator()<12>();
+  channels.template operator()<16>();
+  for (int r = 0; r < NR; ++r) {
+    order64(acc[r]);
+    for (int u = 0; u < 4; ++u) store(d + r * BT + u * W, acc[r][u], lanes(W));
+  }
+}
+
+// acc[r*DMAX + c] += sum_t p[r*BT + t] * v_t[c] over n value rows from t0, all at width WB, for NR (<= 4)
+// rows, the channels in planes64's order (the caller puts them back with order64 once): each row is read
+// 64 channels at a time and multiplied into every row's sums, which stay in registers over the n tokens.
+// Prefetch: the rows PF tokens ahead, plane A, and B / C where their widths (wa[t * ws], from token t0 + PF;
+// nullptr past the planes) read them.
+template <int NR, int WB, bool TINY>
+void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, int D, const uint8_t* wa, int64_t ws,
+                  const float* p, float* acc) {
+  const uint8_t *a = s.va.at(b, h, t0), *bp = s.vb.at(b, h, t0), *cp = s.vc.at(b, h, t0);
+  for (int c0 = 0; c0 < D; c0 += 64) {
+    vf x[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < 4; ++u) x[r][u] = load(acc + r * DMAX + c0 + u * W, lanes(W));
+    for (int t = 0; t < n; ++t) {
+      if (c0 == 0 && wa != nullptr) {
+        const int ahead = wa[t * ws];
+        const uint8_t* pa = a + (t + PF) * s.va.s2;
+        for (int c = 0; c < D; c += 64) __builtin_prefetch(pa + c, 0, 2);
+        if (ahead >= 12)
+          for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(bp + (t + PF) * s.vb.s2 + c, 0, 2);
+        if (ahead >= 16)
+          for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(cp + (t + PF) * s.vc.s2 + c, 0, 2);
+      }
+      vf v[4];
+      planes64<WB, TINY>(a + t * s.va.s2 + c0, bp + t * s.vb.s2 + c0 / 2, cp + t * s.vc.s2 + c0 / 2, v);
+      for (int r = 0; r < NR; ++r) {
+        const vf pr = set1(p[r * BT + t]);
+        for (int u = 0; u < 4; ++u) x[r][u] = fma(pr, v[u], x[r][u]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < 4; ++u) store(acc + r * DMAX + c0 + u * W, x[r][u], lanes(W));
+  }
+}
+
+template <int NR, bool TINY>
+void value_rows64_at(int width, const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, int D, const uint8_t* wa,
+                     int64_t ws, const float* p, float* acc) {
+  switch (width) {
+    case 8: return value_rows64<NR, 8, TINY>(s, b, h, t0, n, D, wa, ws, p, acc);
+    case 12: return value_rows64<NR, 12, TINY>(s, b, h, t0, n, D, wa, ws, p, acc);
+    default: return value_rows64<NR, 16, TINY>(s, b, h, t0, n, D, wa, ws, p, acc);
+  }
+}
+#endif
+
 template <int NC>
 struct PlanesFormat : NoTerms {
   static constexpr bool channel_major_keys = true;
+  static constexpr bool fused_reads = true;
   PlaneArgs s;
   struct State {
     KeyChannels channels;
   };
   State state(const Problem&) const { return {}; }
+
+  // The driver's blocks of BT tokens are the key blocks (BT == KB, chunks start at multiples of BT). On
+  // AVX-512, for up to 4 rows, a block's first call reads and scores (or adds) all 64 tokens (planes64) and
+  // its other calls have nothing left to do; otherwise 16 tokens through the buffer.
+  void scores(State& st, int64_t b, int64_t h, int64_t t0, int n, const Rows& R, int D, float* buf, float* d) const {
+#if KVQ_AVX512
+    if (t0 < s.nb * KB && R.n <= 4) {
+      if (t0 % KB == 0) {
+        st.channels.build(s.kw.at(b, h, t0 / KB), s.kw_c, D);
+        by_row_count(R.n, [&]<int NR>() {
+          if (s.tiny_k)
+            block_scores<NR, true>(s, st.channels, b, h, t0 / KB, R.q, d);
+          else
+            block_scores<NR, false>(s, st.channels, b, h, t0 / KB, R.q, d);
+        });
+      }
+      return;
+    }
+#endif
+    if (keys(st, b, h, t0, n, D, buf))
+      dot_channels(buf, n, R, D, d);
+    else
+      dot_rows<NC>(buf, n, R, D, d);
+  }
+
+  void accumulate(State& st, int64_t b, int64_t h, int64_t t0, int n, int nr, int D, const float* p, float* buf,
+                  float* acc) const {
+#if KVQ_AVX512
+    const int64_t nv = s.nb * KB;
+    if (t0 < nv && nr <= 4 && D % 64 == 0) {
+      if (t0 % KB == 0) by_row_count(nr, [&]<int NR>() { block_values<NR>(b, h, t0, D, p, acc); });
+      return;
+    }
+#endif
+    values(st, b, h, t0, n, D, buf);
+    accumulate_rows<NC>(buf, n, nr, p, acc);
+  }
+
+#if KVQ_AVX512
+  // The KB value rows from t0 (a key block's tokens) added into NR rows' sums: the sums put in planes64's
+  // order, each run of one width read 64 channels at a time, and the order restored.
+  template <int NR>
+  void block_values(int64_t b, int64_t h, int64_t t0, int D, const float* p, float* acc) const {
+    const int64_t nv = s.nb * KB;
+    const uint8_t* w = s.vw.at(b, h, t0);
+    const uint8_t* wa = t0 + PF + KB <= nv ? s.vw.at(b, h, t0 + PF) : nullptr;
+    for (int r = 0; r < NR; ++r)
+      for (int c0 = 0; c0 < D; c0 += 64) unorder64(acc + r * DMAX + c0);
+    for (int i = 0; i < KB;) {
+      int e = i + 1;
+      while (e < KB && w[e * s.vw.s2] == w[i * s.vw.s2]) ++e;
+      if (s.tiny_v)
+        value_rows64_at<NR, true>(w[i * s.vw.s2], s, b, h, t0 + i, e - i, D, wa ? wa + i * s.vw.s2 : wa, s.vw.s2, p + i, acc);
+      else
+        value_rows64_at<NR, false>(w[i * s.vw.s2], s, b, h, t0 + i, e - i, D, wa ? wa + i * s.vw.s2 : wa, s.vw.s2, p + i, acc);
+      i = e;
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c0 = 0; c0 < D; c0 += 64) {
+        vf x[4];
+        for (int u = 0; u < 4; ++u) x[u] = load(acc + r * DMAX + c0 + u * W, lanes(W));
+        order64(x);
+        for (int u = 0; u < 4; ++u) store(acc + r * DMAX + c0 + u * W, x[u], lanes(W));
+      }
+  }
+#endif
 
   // Channel-major for block tokens (true); the fp16 tail goes token-major (false).
   bool keys(State& st, int64_t b, int64_t h, int64_t t0, int n, int D, float* buf) const {
@@ -298,11 +458,33 @@ void read_key_block(const PlaneArgs& s, int64_t b, int64_t h, int64_t j, int D, 
   alignas(64) float buf[DMAX * W];
   KeyChannels ch;
   ch.build(s.kw.at(b, h, j), s.kw_c, D);
+#if KVQ_AVX512  // each channel's 64 tokens by planes64 (what block_scores reads), then 16 tokens at a time
+  alignas(64) float rows[DMAX * KB];  // [c][t]
+  auto read = [&]<int WB>() {
+    const int k = (WB - 8) / 4;
+    for (int i = 0; i < ch.count[k]; ++i) {
+      const int c = ch.list[k][i];
+      vf x[4];
+      planes64<WB, TINY>(s.ka.at(b, h, j) + c * KB, s.kb.at(b, h, j) + c * KB / 2, s.kc.at(b, h, j) + c * KB / 2, x);
+      order64(x);
+      for (int u = 0; u < 4; ++u) store(rows + c * KB + u * W, x[u], lanes(W));
+    }
+  };
+  read.template operator()<8>();
+  read.template operator()<12>();
+  read.template operator()<16>();
+  for (int o = 0; o < KB; o += W) {
+    for (int c = 0; c < D; ++c) store(buf + c * W, load(rows + c * KB + o, lanes(W)), lanes(W));
+    for (int c = 0; c < D; c += W) transpose16(buf + c * W, std::min(W, D - c), out + o * D + c, D);
+  }
+#else
   for (int o = 0; o < KB; o += W) {
     key_group<TINY>(ch, s.ka.at(b, h, j) + o, s.kb.at(b, h, j) + o / 2, s.kc.at(b, h, j) + o / 2, W, buf);
     for (int c = 0; c < D; c += W) transpose16(buf + c * W, std::min(W, D - c), out + o * D + c, D);
   }
+#endif
 }
+
 
 // out[r*W + t] = scaling * sum_c q_r[c] * buf[c*W + t] in fp64 for NR rows and the 16 channel-major
 // buffered tokens: each buffer vector is widened once and feeds 2*NR FMA chains; with few rows the
@@ -409,6 +591,85 @@ inline double plane_key_score(const PlaneArgs& s, int64_t b, int64_t h, int64_t 
   return acc * scaling;
 }
 
+// Largest of x[t] over the keys with e[t] set (me) and over the rest (ma), for x >= 0 (0 where none).
+inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double& me, double& ma) {
+#if KVQ_AVX512
+  __m512d ve = _mm512_setzero_pd(), va = _mm512_setzero_pd();
+  for (int64_t t = 0; t < n; t += 8) {
+    const __mmask8 m = __mmask8(n - t >= 8 ? 0xff : (1u << (n - t)) - 1);
+    const __m512d v = _mm512_maskz_loadu_pd(m, x + t);
+    const __mmask8 k = _mm512_test_epi64_mask(_mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8(m, e + t)), _mm512_set1_epi64(0xff));
+    ve = _mm512_mask_max_pd(ve, k, ve, v);
+    va = _mm512_mask_max_pd(va, __mmask8(~k & m), va, v);
+  }
+  me = _mm512_reduce_max_pd(ve);
+  ma = _mm512_reduce_max_pd(va);
+#else
+  me = ma = 0.0;
+  for (int64_t t = 0; t < n; ++t) {
+    const double v = x[t];
+    if (e[t])
+      me = v > me ? v : me;
+    else
+      ma = v > ma ? v : ma;
+  }
+#endif
+}
+
+// Sums of x[t] over the keys with e[t] set (ze) and the rest (za), 8 interleaved lanes each added
+// pairwise at the end (rounding at most (n/8 + 3) u of the sum); true if some x[t] < 2^-1000 has
+// shifted[t] > -760 (a probability near underflow, which the fp32 bounds do not cover).
+inline bool sums_by_kind(const double* x, const double* shifted, const uint8_t* e, int64_t n, double& ze, double& za) {
+  alignas(64) double le[8] = {}, la[8] = {};
+  bool low = false;
+#if KVQ_AVX512
+  __m512d ve = _mm512_setzero_pd(), va = _mm512_setzero_pd();
+  __mmask8 lo = 0;
+  for (int64_t t = 0; t < n; t += 8) {
+    const __mmask8 m = __mmask8(n - t >= 8 ? 0xff : (1u << (n - t)) - 1);
+    const __m512d v = _mm512_maskz_loadu_pd(m, x + t);
+    const __mmask8 k = _mm512_test_epi64_mask(_mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8(m, e + t)), _mm512_set1_epi64(0xff));
+    ve = _mm512_mask_add_pd(ve, k, ve, v);
+    va = _mm512_mask_add_pd(va, __mmask8(~k & m), va, v);
+    lo |= _mm512_mask_cmp_pd_mask(m, v, _mm512_set1_pd(0x1p-1000), _CMP_LT_OQ) &
+          _mm512_mask_cmp_pd_mask(m, _mm512_maskz_loadu_pd(m, shifted + t), _mm512_set1_pd(-760.0), _CMP_GT_OQ);
+  }
+  _mm512_store_pd(le, ve);
+  _mm512_store_pd(la, va);
+  low = lo != 0;
+#else
+  for (int64_t t = 0; t < n; ++t) {
+    low = low || (x[t] < 0x1p-1000 && shifted[t] > -760.0);
+    (e[t] ? le : la)[t % 8] += x[t];
+  }
+#endif
+  ze = ((le[0] + le[1]) + (le[2] + le[3])) + ((le[4] + le[5]) + (le[6] + le[7]));
+  za = ((la[0] + la[1]) + (la[2] + la[3])) + ((la[4] + la[5]) + (la[6] + la[7]));
+  return low;
+}
+
+// Bit j (j < m <= 64): s[j] is not -inf and s[j] + (t0 + j < nv ? hb : ht) >= best[j], the test that makes
+// token t0 + j a contender for its class's top score.
+inline uint64_t near_bits(const double* s, const double* best, int64_t t0, int64_t m, int64_t nv, double hb, double ht) {
+  uint64_t bits = 0;
+#if KVQ_AVX512
+  for (int64_t j = 0; j < m; j += 8) {
+    const __mmask8 k = __mmask8(m - j >= 8 ? 0xff : (1u << (m - j)) - 1);
+    const __m512i t = _mm512_add_epi64(_mm512_set1_epi64(t0 + j), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+    const __mmask8 block = _mm512_cmplt_epi64_mask(t, _mm512_set1_epi64(nv));
+    const __m512d hw = _mm512_mask_blend_pd(block, _mm512_set1_pd(ht), _mm512_set1_pd(hb));
+    const __m512d v = _mm512_maskz_loadu_pd(k, s + j);
+    const __mmask8 live = _mm512_mask_cmp_pd_mask(k, v, _mm512_set1_pd(-INFINITY), _CMP_NEQ_OQ);
+    const __mmask8 up = _mm512_mask_cmp_pd_mask(live, _mm512_add_pd(v, hw), _mm512_maskz_loadu_pd(k, best + j), _CMP_GE_OQ);
+    bits |= uint64_t(up) << j;
+  }
+#else
+  for (int64_t j = 0; j < m; ++j)
+    bits |= uint64_t(s[j] != -INFINITY && s[j] + (t0 + j < nv ? hb : ht) >= best[j]) << j;
+#endif
+  return bits;
+}
+
 // Counts of items decided from fp32 scores and of those that needed the fp64 path
 // (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
 std::atomic<int64_t> fast_items{0}, exact_items{0};
@@ -446,7 +707,44 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   alignas(64) float buf[SB * DMAX];
   alignas(64) float dots[4 * BT];
   auto st = f.state(P);
-  for (int64_t t0 = 0; t0 < L; t0 += SB) {
+  auto keep = [&](int64_t r0, int nr, int64_t t0, int n, bool fp32) {  // scaled, masked scores into S
+    for (int r = 0; r < nr; ++r) {
+      double* srow = S + (r0 + r) * L + t0;
+      if (!P.has_mask) {  // branch-free, so it vectorizes
+        uint8_t* e = ex.data() + (r0 + r) * L + t0;
+        for (int t = 0; t < n; ++t) {
+          const double x = fp32 ? double(dots[r * BT + t]) * rule.scaling : srow[t];
+          e[t] |= uint8_t(x == -INFINITY);
+          srow[t] = x;
+        }
+        continue;
+      }
+      for (int t = 0; t < n; ++t) {
+        double x = fp32 ? double(dots[r * BT + t]) * rule.scaling : srow[t];
+        if (P.has_mask) {
+          const int64_t at = moff[r0 + r] + (t0 + t) * P.mask.st;
+          x = P.mask.b != nullptr ? (P.mask.b[at] ? x : -INFINITY) : x + double(P.mask.f[at]);
+        }
+        if (x == -INFINITY) ex[(r0 + r) * L + t0 + t] = 1;
+        srow[t] = x;
+      }
+    }
+  };
+  for (int64_t t0 = 0; t0 < L;) {
+#if KVQ_AVX512
+    if (t0 < nv && R <= 4) {  // a whole key block (t0 steps through them by KB), no buffer
+      st.channels.build(f.s.kw.at(b, h, t0 / KB), f.s.kw_c, D);
+      by_row_count(int(R), [&]<int NR>() {
+        if (f.s.tiny_k)
+          block_scores<NR, true>(f.s, st.channels, b, h, t0 / KB, q.data(), dots);
+        else
+          block_scores<NR, false>(f.s, st.channels, b, h, t0 / KB, q.data(), dots);
+      });
+      keep(0, int(R), t0, KB, true);
+      t0 += KB;
+      continue;
+    }
+#endif
     const int n = int(std::min<int64_t>(SB, L - t0));
     const bool by_channel = f.keys(st, b, h, t0, n, D, buf);
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
@@ -462,19 +760,9 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
             ex[(r0 + r) * L + t0 + t] = 1;
           }
       }
-      for (int r = 0; r < nr; ++r) {
-        double* srow = S + (r0 + r) * L + t0;
-        for (int t = 0; t < n; ++t) {
-          double x = by_channel ? double(dots[r * BT + t]) * rule.scaling : srow[t];
-          if (P.has_mask) {
-            const int64_t at = moff[r0 + r] + (t0 + t) * P.mask.st;
-            x = P.mask.b != nullptr ? (P.mask.b[at] ? x : -INFINITY) : x + double(P.mask.f[at]);
-          }
-          if (x == -INFINITY) ex[(r0 + r) * L + t0 + t] = 1;
-          srow[t] = x;
-        }
-      }
+      keep(r0, nr, t0, n, by_channel);
     }
+    t0 += n;
   }
   std::vector<double> hi_e(R), hi_a(R), lo_e(R), lo_a(R);
   std::vector<int64_t> idx(static_cast<size_t>(R * kk));
@@ -482,26 +770,32 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   for (int64_t r = 0; r < R; ++r) {
     double* srow = S + r * L;
     uint8_t* e = ex.data() + r * L;
-    auto half_width = [&](int64_t t) { return e[t] ? dx[r] : dl[r]; };
+    // Until the rescoring below, S holds fp64 scores exactly at the tail (t >= nv) and at masked keys
+    // (-inf, which no half width moves): a block token's half width is dl, a tail token's dx.
+    const double hb = dl[r], ht = dx[r];
     std::fill(best.begin(), best.end(), -INFINITY);  // per class t mod kk: the largest lower bound
     for (int64_t t0 = 0; t0 < L; t0 += kk)
-      for (int64_t j = 0, m = std::min(kk, L - t0); j < m; ++j) best[j] = std::max(best[j], srow[t0 + j] - half_width(t0 + j));
+      for (int64_t j = 0, m = std::min(kk, L - t0); j < m; ++j)
+        best[j] = std::max(best[j], srow[t0 + j] - (t0 + j < nv ? hb : ht));
     std::vector<double> top(kk, -INFINITY);  // then the largest fp64 score of the class's contenders
     int64_t* id = idx.data() + r * kk;
     for (int64_t j = 0; j < kk; ++j) id[j] = j;  // a class no key reaches: its first token, as argmax
-    for (int64_t t = 0, j = 0; t < L; ++t, j = j + 1 == kk ? 0 : j + 1) {
-      if (srow[t] == -INFINITY || srow[t] + half_width(t) < best[j]) continue;
-      if (!e[t]) {  // a contender: its fp64 score (block tokens only; the tail is fp64 already)
-        double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
-        if (P.has_mask && P.mask.b == nullptr) y += double(P.mask.f[moff[r] + t * P.mask.st]);
-        srow[t] = y;
-        e[t] = 1;
-      }
-      if (srow[t] > top[j]) {  // first on ties, as the exact path's strict >
-        top[j] = srow[t];
-        id[j] = t;
-      }
-    }
+    for (int64_t t0 = 0; t0 < L; t0 += kk)
+      for (int64_t j0 = 0, m = std::min(kk, L - t0); j0 < m; j0 += 64)
+        for (uint64_t bits = near_bits(srow + t0 + j0, best.data() + j0, t0 + j0, std::min<int64_t>(64, m - j0), nv, hb, ht);
+             bits; bits &= bits - 1) {
+          const int64_t j = j0 + __builtin_ctzll(bits), t = t0 + j;
+          if (!e[t]) {  // a contender: its fp64 score (block tokens only; the tail is fp64 already)
+            double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
+            if (P.has_mask && P.mask.b == nullptr) y += double(P.mask.f[moff[r] + t * P.mask.st]);
+            srow[t] = y;
+            e[t] = 1;
+          }
+          if (srow[t] > top[j]) {  // first on ties, as the exact path's strict >
+            top[j] = srow[t];
+            id[j] = t;
+          }
+        }
     const double mx = max_of(srow, L);
     if (mx == -INFINITY) {  // no key seen: every probability 0, as the exact path
       std::fill(srow, srow + L, 0.0);
@@ -512,14 +806,13 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     shifted.resize(static_cast<size_t>(L));
     for (int64_t t = 0; t < L; ++t) shifted[t] = srow[t] - mx;
     exp_nonpositive(shifted.data(), srow, L);
-    double ze = 0.0, za = 0.0;
-    for (int64_t t = 0; t < L; ++t) {
-      if (srow[t] < 0x1p-1000 && shifted[t] > -760.0) return false;  // near underflow: fp64 decides
-      (e[t] ? ze : za) += srow[t];
-    }
-    const double z = ze + za;
-    const double z_lo = (ze * std::exp(-dx[r]) + za * std::exp(-dl[r])) * (1 - 1e-12);
-    const double z_hi = (ze * std::exp(dx[r]) + za * std::exp(dl[r])) * (1 + 1e-12);
+    // e(s) summed over fp64-scored (ze) and fp32-scored (za) keys; their rounding goes into the margin
+    // beside exp's few ulp; a probability near underflow sends the item to fp64.
+    double ze, za;
+    if (sums_by_kind(srow, shifted.data(), e, L, ze, za)) return false;
+    const double z = ze + za, margin = 1e-12 + double(L / 8 + 8) * 0x1p-53;
+    const double z_lo = (ze * std::exp(-dx[r]) + za * std::exp(-dl[r])) * (1 - margin);
+    const double z_hi = (ze * std::exp(dx[r]) + za * std::exp(dl[r])) * (1 + margin);
     const double inv = 1.0 / z;
     for (int64_t t = 0; t < L; ++t) srow[t] *= inv;
     hi_e[r] = z / z_lo * std::exp(dx[r]) * (1 + 1e-12);
@@ -564,14 +857,16 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
         g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - field));
       }
     }
+    // The largest probability's bounds: within each kind of key (fp64- or fp32-scored) the largest
+    // probability times its factor, as rounding a product is monotone in the probability.
     double top_lo = 0.0, top_hi = 0.0;
     for (int64_t r = 0; r < R; ++r) {
-      const double* srow = S + r * L;
-      const uint8_t* e = ex.data() + r * L;
-      for (int64_t t = t0; t < t0 + span; ++t) {
-        top_hi = std::max(top_hi, srow[t] * (e[t] ? hi_e[r] : hi_a[r]));
-        top_lo = std::max(top_lo, srow[t] * (e[t] ? lo_e[r] : lo_a[r]));
-      }
+      const double* srow = S + r * L + t0;
+      const uint8_t* e = ex.data() + r * L + t0;
+      double me, ma;
+      largest_by_kind(srow, e, span, me, ma);
+      top_hi = std::max(top_hi, std::max(me * hi_e[r], ma * hi_a[r]));
+      top_lo = std::max(top_lo, std::max(me * lo_e[r], ma * lo_a[r]));
     }
     uint8_t w;
     if (top_hi == 0.0) {
@@ -726,18 +1021,63 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
   }
   alignas(64) float p[NRMAX * BT];
   alignas(64) float acc[NRMAX * DMAX];
+#if KVQ_AVX512
+  alignas(64) float acc64[4 * DMAX];  // block tokens' sums, channels in planes64's order
+  const bool rows64 = R <= 4 && D % 64 == 0;
+#else
+  const bool rows64 = false;
+#endif
   for (int64_t r0 = 0; r0 < R; r0 += NRMAX) {  // values at their widths, weighted by the same scores
     const int nr = int(std::min<int64_t>(NRMAX, R - r0));
     std::fill(acc, acc + nr * DMAX, 0.0f);
+#if KVQ_AVX512
+    if (rows64) std::fill(acc64, acc64 + nr * DMAX, 0.0f);
+#endif
     for (int64_t t0 = 0; t0 < L; t0 += SB) {
       const int n = int(std::min<int64_t>(SB, L - t0));
-      bool any = false;
-      for (int r = 0; r < nr; ++r)
-        for (int t = 0; t < n; ++t) any |= (p[r * BT + t] = float(S[(r0 + r) * L + t0 + t])) != 0.0f;
+      int any = 0;
+      for (int r = 0; r < nr; ++r) {
+        const double* sr = S.data() + (r0 + r) * L + t0;
+        float* pr = p + r * BT;
+        for (int t = 0; t < n; ++t) pr[t] = float(sr[t]);
+        for (int t = 0; t < n; ++t) any |= pr[t] != 0.0f;
+      }
       if (!any) continue;
+#if KVQ_AVX512
+      if (rows64 && t0 < nv) {  // runs of one width, read 64 channels at a time (nv is a multiple of SB)
+        const uint8_t* wa = t0 + PF + n <= nv ? wv + t0 + PF : nullptr;
+        int mixed = 0;
+        for (int t = 1; t < n; ++t) mixed |= wv[t0 + t] != wv[t0];
+        for (int i = 0; i < n;) {
+          int e = mixed ? i + 1 : n;
+          while (e < n && wv[t0 + e] == wv[t0 + i]) ++e;
+          by_row_count(nr, [&]<int NR>() {
+            if (f.s.tiny_v)
+              value_rows64_at<NR, true>(wv[t0 + i], f.s, b, h, t0 + i, e - i, D, wa ? wa + i : wa, 1, p + i, acc64);
+            else
+              value_rows64_at<NR, false>(wv[t0 + i], f.s, b, h, t0 + i, e - i, D, wa ? wa + i : wa, 1, p + i, acc64);
+          });
+          i = e;
+        }
+        continue;
+      }
+#endif
       f.values(st, b, h, t0, n, D, buf);
       accumulate_rows<NC>(buf, n, nr, p, acc);
     }
+#if KVQ_AVX512
+    if (rows64)
+      for (int r = 0; r < nr; ++r)
+        for (int c0 = 0; c0 < D; c0 += 64) {
+          vf x[4];
+          for (int u = 0; u < 4; ++u) x[u] = load(acc64 + r * DMAX + c0 + u * W, lanes(W));
+          order64(x);
+          for (int u = 0; u < 4; ++u) {
+            float* a = acc + r * DMAX + c0 + u * W;
+            store(a, add(load(a, lanes(W)), x[u]), lanes(W));
+          }
+        }
+#endif
     for (int r = 0; r < nr; ++r) {
       const int64_t j = (r0 + r) / P.Q, i = (r0 + r) % P.Q, hq = h * P.g + j;
       std::copy(acc + r * DMAX, acc + r * DMAX + D, out + ((b * P.Hq + hq) * P.Q + i) * D);

@@ -236,7 +236,7 @@ def plane_store(
     if tiny:
         k[..., 0, :3], v[..., 1, :], v[..., 2, 1::2] = 0.0, -1e-7, 3e-6
     else:  # away from zero: no plane-A byte reads as ±0
-        k, v = k.sign() * (k.abs() + 0.01), v.sign() * (v.abs() + 0.01)
+        k, v = (torch.where(x >= 0, x + 0.01, x - 0.01) for x in (k, v))  # randn may draw an exact 0
     store = PlaneStore(block_exponents=blockwise, value_block=value_block)
     first = max(1, length - 3)
     store.append(k[:, :, :first].half(), v[:, :, :first].half())
@@ -252,7 +252,10 @@ def random_widths(*shape: int, seed: int) -> torch.Tensor:
 
 
 # (batch, q heads, kv heads, q_len, tokens, head_dim, per-block key widths): GQA 3 and 4, MHA, MQA; head
-# dims 8, 64, 128 and 48; tails (L mod 64 != 0), a store still all tail (L < 64) and one of whole blocks.
+# dims 8, 64, 128, 48 and 96; tails (L mod 64 != 0), a store still all tail (L < 64) and one of whole blocks.
+# On AVX-512 the fused step reads whole key blocks for up to 4 query rows a KV head, and values 64 channels at
+# a time where the head dim is a multiple of 64 (planes.cpp, block_scores / value_rows64): the 1-, 2-, 3- and
+# 4-row shapes at head dims 64, 96 and 128 take those paths, the others the 16-token ones.
 PLANE_SHAPES = [
     (1, 9, 3, 1, 4133, 64, False),
     (2, 8, 2, 3, 130, 128, True),
@@ -261,6 +264,8 @@ PLANE_SHAPES = [
     (3, 4, 1, 1, 256, 64, False),
     (2, 2, 1, 20, 97, 48, False),
     (1, 32, 8, 2, 1100, 128, True),
+    (2, 8, 8, 1, 700, 128, True),
+    (1, 4, 2, 1, 390, 96, False),
 ]
 
 
@@ -419,7 +424,8 @@ def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, ru
 
 def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
     """All 63,488 finite fp16 patterns as values (31 whole blocks of 32 channels) at 8, 12 and 16 bits,
-    each query row seeing one value: the output is that value as the kernel read it, bit for bit."""
+    each query row seeing one value: the output is that value as the kernel read it, bit for bit; and
+    as keys, read as ``read_plane_keys`` reads them, the bits ``PlaneStore.read_keys`` gives."""
     from kvquant.bits import bits_to_fp16
     from kvquant.formats.planes import PlaneStore
 
@@ -433,6 +439,9 @@ def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
     for width in (8, 12, 16):
         out = kernels_cpu.attend_planes(torch.zeros(1, 1, n, 32), store, k_widths=width, v_widths=width, mask=mask)
         assert torch.equal(out, store.read_values(width, torch.float32))
+        # the same patterns as keys, read 64 tokens of a channel at a time (planes64 on AVX-512)
+        keys = kernels_cpu.read_plane_keys(store.k_a, store.k_b, store.k_c, store.tail_k, k_widths=width)
+        assert torch.equal(keys.view(torch.int32), store.read_keys(width, torch.float32).view(torch.int32))
 
 
 @pytest.mark.parametrize("shape", PLANE_SHAPES[:4] + PLANE_SHAPES[5:], ids=lambda s: "x".join(map(str, s)))
