@@ -124,7 +124,7 @@ template <int WB, bool TINY = true>
 // and 48-55, out[2] = 8-15 and 24-31, out[3] = 40-47 and 56-63 (order64 restores 0-63). A consumer whose
 // sum does not care (a channel's key tokens scored into per-token sums, a value row added into per-channel
 // sums) keeps that order until its results are written. Why: each nibble plane is spread to its 64
-// elements' low bytes by one byte permute and two bitwise ops, the low bytes are interleaved with plane A
+// elements' low bytes by one zero-extension, two shifts and a bitwise select, the low bytes are interleaved with plane A
 // by two unpacks, and every vector op covers 64 elements; planes16 spends ~10 vector ops on 16, so a
 // 12-bit read cost more than a 16-bit fp16 load (kernels_cpu/README.md).
 template <int WB, bool TINY = true>
@@ -135,15 +135,10 @@ template <int WB, bool TINY = true>
     low = TINY ? _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(av, _mm512_set1_epi8(0x7f)), _mm512_set1_epi8(char(0x80)))
                : _mm512_set1_epi8(char(0x80));
   } else {
-    // byte j of a nibble plane into both bytes of word j; the even element takes the low nibble << 4
-    // (the word shifted left), the odd one the high nibble in place
-    const __m512i pairs = _mm512_set_epi8(31, 31, 30, 30, 29, 29, 28, 28, 27, 27, 26, 26, 25, 25, 24, 24,  //
-                                          23, 23, 22, 22, 21, 21, 20, 20, 19, 19, 18, 18, 17, 17, 16, 16,  //
-                                          15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8,      //
-                                          7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i bw = _mm512_permutexvar_epi8(pairs, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))));
-    // 0x00f0 ? bw << 4 : bw, bitwise; the B nibble of every element is then its byte's high nibble
-    low = _mm512_ternarylogic_epi32(_mm512_slli_epi16(bw, 4), bw, _mm512_set1_epi16(0x00f0), 0xe4);
+    // byte j of a nibble plane zero-extended into word j: the even element's nibble shifted up into the low
+    // byte's high half, the odd one's into the high byte's high half (0x00f0 ? bw << 4 : bw << 8, bitwise)
+    const __m512i bw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    low = _mm512_ternarylogic_epi32(_mm512_slli_epi16(bw, 4), _mm512_slli_epi16(bw, 8), _mm512_set1_epi16(0x00f0), 0xe4);
     if constexpr (WB == 12) {
       if constexpr (TINY) {  // the fill only where plane A's magnitude bits or the B nibble are not 0
         low = _mm512_and_si512(low, _mm512_set1_epi8(char(0xf0)));
@@ -153,8 +148,8 @@ template <int WB, bool TINY = true>
         low = _mm512_ternarylogic_epi32(low, _mm512_set1_epi8(char(0xf0)), _mm512_set1_epi8(0x08), 0xea);  // low & 0xf0 | 0x08
       }
     } else {  // C: the even element's low nibble in place, the odd one's high nibble shifted right
-      const __m512i cw = _mm512_permutexvar_epi8(pairs, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c))));
-      const __m512i cn = _mm512_ternarylogic_epi32(cw, _mm512_srli_epi16(cw, 4), _mm512_set1_epi16(0x00ff), 0xe4);
+      const __m512i cw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+      const __m512i cn = _mm512_ternarylogic_epi32(cw, _mm512_slli_epi16(cw, 4), _mm512_set1_epi16(0x00ff), 0xe4);
       low = _mm512_ternarylogic_epi32(low, cn, _mm512_set1_epi8(char(0xf0)), 0xe4);  // 0xf0 ? low : cn
     }
   }
