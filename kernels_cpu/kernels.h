@@ -259,7 +259,6 @@ struct KeyDequant {
   int64_t folded = -1;
   void scores(const QuantPart& k, int64_t b, int64_t h, int64_t t0, int n, int D, int G, const Rows& R, float* d) {
     const uint8_t* codes = k.codes + b * k.cb + h * k.ch + t0 * k.ct;
-    prefetch_rows(codes + PF * k.ct, k.ct, n, D * BITS / 8);
     const int64_t g = t0 / G;
     if (g != folded) {
       folded = g;
@@ -293,6 +292,7 @@ struct KeyDequant {
       for (int r = 0; r < RG; ++r) a[0][r] = a[1][r] = zero();
       if (t < n) {
         const uint8_t* row = codes + t * ct;
+        if (r0 == 0) prefetch_span(row + PF * ct, D * BITS / 8);  // a row at a time, as half_rows
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) {
           const vf x = FULL ? unpack_full<BITS>(row + c * 2 * BITS) : unpack_codes<BITS>(row + c * 2 * BITS, D - c * W);
@@ -375,7 +375,6 @@ struct ValueDequant {
                   float* acc) const {
     const uint8_t* codes = v.codes + b * v.cb + h * v.ch + t0 * v.ct;
     const int64_t off = b * v.sb + h * v.sh + t0 * v.s2;
-    prefetch_rows(codes + PF * v.ct, v.ct, n, D * BITS / 8);
     prefetch_rows(v.scale + off + PF * v.s2, 2 * v.s2, n, 2 * ng);
     prefetch_rows(v.zero + off + PF * v.s2, 2 * v.s2, n, 2 * ng);
     alignas(64) float wgt[NRMAX * W * SB];  // [row][group][token]: p * scale (ng <= D / 16 <= W groups)
@@ -430,6 +429,8 @@ struct ValueDequant {
     }
     const uint8_t* col = codes + c * 2 * BITS;
     const float* w = wgt + (r0 * ng + g) * SB;  // row r's weights at w + r * ng * SB
+    if (c == 0 && r0 == 0)  // the rows PF tokens ahead, a row at a time, as half_rows
+      for (int t = 0; t < n; ++t) prefetch_span(codes + (t + PF) * ct, D * BITS / 8);
     int t = 0;
     if constexpr (SETS == 2) {
       for (; t + 1 < n; t += 2) {
