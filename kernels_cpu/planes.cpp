@@ -616,14 +616,12 @@ inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double
 #endif
 }
 
-// Sums of x[t] over the keys with e[t] set (ze) and the rest (za), 8 interleaved lanes each added
-// pairwise at the end (rounding at most (n/8 + 3) u of the sum); true if some x[t] < 2^-1000 has
-// shifted[t] > -760 (a probability near underflow, which the fp32 bounds do not cover).
-inline bool sums_by_kind(const double* x, const double* shifted, const uint8_t* e, int64_t n, double& ze, double& za) {
-  alignas(64) double le[8] = {}, la[8] = {};
-  bool low = false;
+// x[t] added into 8 interleaved lanes of sums over the keys with e[t] set (le) and over the rest (la),
+// lane t % 8 (n a multiple of 8 but at the end); true if some x[t] < 2^-1000 has shifted[t] > -760 (a
+// probability near underflow, which the fp32 bounds do not cover).
+inline bool add_by_kind(const double* x, const double* shifted, const uint8_t* e, int64_t n, double* le, double* la) {
 #if KVQ_AVX512
-  __m512d ve = _mm512_setzero_pd(), va = _mm512_setzero_pd();
+  __m512d ve = _mm512_loadu_pd(le), va = _mm512_loadu_pd(la);
   __mmask8 lo = 0;
   for (int64_t t = 0; t < n; t += 8) {
     const __mmask8 m = __mmask8(n - t >= 8 ? 0xff : (1u << (n - t)) - 1);
@@ -634,19 +632,20 @@ inline bool sums_by_kind(const double* x, const double* shifted, const uint8_t* 
     lo |= _mm512_mask_cmp_pd_mask(m, v, _mm512_set1_pd(0x1p-1000), _CMP_LT_OQ) &
           _mm512_mask_cmp_pd_mask(m, _mm512_maskz_loadu_pd(m, shifted + t), _mm512_set1_pd(-760.0), _CMP_GT_OQ);
   }
-  _mm512_store_pd(le, ve);
-  _mm512_store_pd(la, va);
-  low = lo != 0;
+  _mm512_storeu_pd(le, ve);
+  _mm512_storeu_pd(la, va);
+  return lo != 0;
 #else
+  bool low = false;
   for (int64_t t = 0; t < n; ++t) {
     low = low || (x[t] < 0x1p-1000 && shifted[t] > -760.0);
     (e[t] ? le : la)[t % 8] += x[t];
   }
-#endif
-  ze = ((le[0] + le[1]) + (le[2] + le[3])) + ((le[4] + le[5]) + (le[6] + le[7]));
-  za = ((la[0] + la[1]) + (la[2] + la[3])) + ((la[4] + la[5]) + (la[6] + la[7]));
   return low;
+#endif
 }
+
+inline double lane_sum(const double* a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
 // Bit j (j < m <= 64): s[j] is not -inf and s[j] + (t0 + j < nv ? hb : ht) >= best[j], the test that makes
 // token t0 + j a contender for its class's top score.
@@ -796,20 +795,28 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
             id[j] = t;
           }
         }
-    const double mx = max_of(srow, L);
+    // The largest score is a contender's (a key that is not one scores below its class's best lower
+    // bound, which a contender's exact score reaches), so it is the largest of the classes' tops.
+    const double mx = *std::max_element(top.begin(), top.end());
     if (mx == -INFINITY) {  // no key seen: every probability 0, as the exact path
       std::fill(srow, srow + L, 0.0);
       hi_e[r] = hi_a[r] = lo_e[r] = lo_a[r] = 1.0;
       continue;
     }
-    thread_local std::vector<double> shifted;
-    shifted.resize(static_cast<size_t>(L));
-    for (int64_t t = 0; t < L; ++t) shifted[t] = srow[t] - mx;
-    exp_nonpositive(shifted.data(), srow, L);
-    // e(s) summed over fp64-scored (ze) and fp32-scored (za) keys; their rounding goes into the margin
+    // e(s - max) a chunk at a time (the shifted scores stay in L1), summed over fp64-scored (ze) and
+    // fp32-scored (za) keys in 8 lanes each; their rounding, (L/8 + 3) u at most, goes into the margin
     // beside exp's few ulp; a probability near underflow sends the item to fp64.
-    double ze, za;
-    if (sums_by_kind(srow, shifted.data(), e, L, ze, za)) return false;
+    double lane_e[8] = {}, lane_a[8] = {};
+    bool low = false;
+    alignas(64) double shifted[512];
+    for (int64_t t0 = 0; t0 < L; t0 += 512) {
+      const int64_t m = std::min<int64_t>(512, L - t0);
+      for (int64_t t = 0; t < m; ++t) shifted[t] = srow[t0 + t] - mx;
+      exp_nonpositive(shifted, srow + t0, m);
+      low |= add_by_kind(srow + t0, shifted, e + t0, m, lane_e, lane_a);
+    }
+    if (low) return false;
+    const double ze = lane_sum(lane_e), za = lane_sum(lane_a);
     const double z = ze + za, margin = 1e-12 + double(L / 8 + 8) * 0x1p-53;
     const double z_lo = (ze * std::exp(-dx[r]) + za * std::exp(-dl[r])) * (1 - margin);
     const double z_hi = (ze * std::exp(dx[r]) + za * std::exp(dl[r])) * (1 + margin);
