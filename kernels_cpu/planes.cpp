@@ -870,8 +870,11 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     for (int64_t r = 0; r < R; ++r) {
       const double* srow = S + r * L + t0;
       const uint8_t* e = ex.data() + r * L + t0;
-      double me, ma;
-      largest_by_kind(srow, e, span, me, ma);
+      double me = 0.0, ma = 0.0;
+      if (span == 1)  // the paper's rule: one token
+        (e[0] ? me : ma) = srow[0];
+      else
+        largest_by_kind(srow, e, span, me, ma);
       top_hi = std::max(top_hi, std::max(me * hi_e[r], ma * hi_a[r]));
       top_lo = std::max(top_lo, std::max(me * lo_e[r], ma * lo_a[r]));
     }
