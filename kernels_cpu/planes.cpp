@@ -591,14 +591,21 @@ inline double plane_key_score(const PlaneArgs& s, int64_t b, int64_t h, int64_t 
   return acc * scaling;
 }
 
+#if KVQ_AVX512
+// The lanes of 8 doubles with `left` elements left, and which of them have their byte in e set.
+inline __mmask8 lanes8(int64_t left) { return __mmask8(left >= 8 ? 0xff : (1u << left) - 1); }
+inline __mmask8 marked8(const uint8_t* e, __mmask8 m) {
+  return _mm512_test_epi64_mask(_mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8(m, e)), _mm512_set1_epi64(0xff));
+}
+#endif
+
 // Largest of x[t] over the keys with e[t] set (me) and over the rest (ma), for x >= 0 (0 where none).
 inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double& me, double& ma) {
 #if KVQ_AVX512
   __m512d ve = _mm512_setzero_pd(), va = _mm512_setzero_pd();
   for (int64_t t = 0; t < n; t += 8) {
-    const __mmask8 m = __mmask8(n - t >= 8 ? 0xff : (1u << (n - t)) - 1);
+    const __mmask8 m = lanes8(n - t), k = marked8(e + t, m);
     const __m512d v = _mm512_maskz_loadu_pd(m, x + t);
-    const __mmask8 k = _mm512_test_epi64_mask(_mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8(m, e + t)), _mm512_set1_epi64(0xff));
     ve = _mm512_mask_max_pd(ve, k, ve, v);
     va = _mm512_mask_max_pd(va, __mmask8(~k & m), va, v);
   }
@@ -624,9 +631,8 @@ inline bool add_by_kind(const double* x, const double* shifted, const uint8_t* e
   __m512d ve = _mm512_loadu_pd(le), va = _mm512_loadu_pd(la);
   __mmask8 lo = 0;
   for (int64_t t = 0; t < n; t += 8) {
-    const __mmask8 m = __mmask8(n - t >= 8 ? 0xff : (1u << (n - t)) - 1);
+    const __mmask8 m = lanes8(n - t), k = marked8(e + t, m);
     const __m512d v = _mm512_maskz_loadu_pd(m, x + t);
-    const __mmask8 k = _mm512_test_epi64_mask(_mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8(m, e + t)), _mm512_set1_epi64(0xff));
     ve = _mm512_mask_add_pd(ve, k, ve, v);
     va = _mm512_mask_add_pd(va, __mmask8(~k & m), va, v);
     lo |= _mm512_mask_cmp_pd_mask(m, v, _mm512_set1_pd(0x1p-1000), _CMP_LT_OQ) &
@@ -653,7 +659,7 @@ inline uint64_t near_bits(const double* s, const double* best, int64_t t0, int64
   uint64_t bits = 0;
 #if KVQ_AVX512
   for (int64_t j = 0; j < m; j += 8) {
-    const __mmask8 k = __mmask8(m - j >= 8 ? 0xff : (1u << (m - j)) - 1);
+    const __mmask8 k = lanes8(m - j);
     const __m512i t = _mm512_add_epi64(_mm512_set1_epi64(t0 + j), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
     const __mmask8 block = _mm512_cmplt_epi64_mask(t, _mm512_set1_epi64(nv));
     const __m512d hw = _mm512_mask_blend_pd(block, _mm512_set1_pd(ht), _mm512_set1_pd(hb));
