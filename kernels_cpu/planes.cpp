@@ -176,7 +176,7 @@ inline void key_group(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp
 // Scores of key block j's 64 tokens for NR (<= 4) rows, d[r*BT + t] = q_r . k_t in fp32: each channel's
 // 64 tokens read once at its width (planes64) and multiplied into every row's sums, which stay in
 // registers in planes64's token order until the end; no buffer. Prefetch: block j + PFB, channel by
-// channel as this block's widths read it (a burst of a whole block's lines stalls on fill buffers).
+// channel as this block's widths read it (a burst of a whole block's lines measured slower).
 template <int NR, bool TINY>
 void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
                   float* d) {
@@ -254,13 +254,28 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
   }
 }
 
-template <int NR, bool TINY>
-void value_rows64_at(int width, const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, int D, const uint8_t* wa,
-                     int64_t ws, const float* p, float* acc) {
-  switch (width) {
-    case 8: return value_rows64<NR, 8, TINY>(s, b, h, t0, n, D, wa, ws, p, acc);
-    case 12: return value_rows64<NR, 12, TINY>(s, b, h, t0, n, D, wa, ws, p, acc);
-    default: return value_rows64<NR, 16, TINY>(s, b, h, t0, n, D, wa, ws, p, acc);
+// value_rows64 over n tokens from t0 whose widths are w[t * ws], a run of one width at a time (wa: the
+// widths PF tokens ahead, as value_rows64 takes them).
+template <int NR>
+void value_runs(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, int D, const uint8_t* w, int64_t ws,
+                const uint8_t* wa, const float* p, float* acc) {
+  for (int i = 0; i < n;) {
+    int e = i + 1;
+    while (e < n && w[e * ws] == w[i * ws]) ++e;
+    const uint8_t* ahead = wa ? wa + i * ws : nullptr;
+    auto run = [&]<int WB>() {
+      if (s.tiny_v)
+        value_rows64<NR, WB, true>(s, b, h, t0 + i, e - i, D, ahead, ws, p + i, acc);
+      else
+        value_rows64<NR, WB, false>(s, b, h, t0 + i, e - i, D, ahead, ws, p + i, acc);
+    };
+    if (w[i * ws] == 8)
+      run.template operator()<8>();
+    else if (w[i * ws] == 12)
+      run.template operator()<12>();
+    else
+      run.template operator()<16>();
+    i = e;
   }
 }
 #endif
@@ -322,15 +337,7 @@ struct PlanesFormat : NoTerms {
     const uint8_t* wa = t0 + PF + KB <= nv ? s.vw.at(b, h, t0 + PF) : nullptr;
     for (int r = 0; r < NR; ++r)
       for (int c0 = 0; c0 < D; c0 += 64) unorder64(acc + r * DMAX + c0);
-    for (int i = 0; i < KB;) {
-      int e = i + 1;
-      while (e < KB && w[e * s.vw.s2] == w[i * s.vw.s2]) ++e;
-      if (s.tiny_v)
-        value_rows64_at<NR, true>(w[i * s.vw.s2], s, b, h, t0 + i, e - i, D, wa ? wa + i * s.vw.s2 : wa, s.vw.s2, p + i, acc);
-      else
-        value_rows64_at<NR, false>(w[i * s.vw.s2], s, b, h, t0 + i, e - i, D, wa ? wa + i * s.vw.s2 : wa, s.vw.s2, p + i, acc);
-      i = e;
-    }
+    value_runs<NR>(s, b, h, t0, KB, D, w, s.vw.s2, wa, p, acc);
     for (int r = 0; r < NR; ++r)
       for (int c0 = 0; c0 < D; c0 += 64) {
         vf x[4];
@@ -397,11 +404,11 @@ struct PlanesFormat : NoTerms {
   }
 };
 
-// Rows in[i*W ...] (i < 16) transposed into out[t*ld ...], the first n lanes of each (16x16 floats).
-inline void transpose16(const float* in, int n, float* out, int64_t ld) {
+// Rows in[i*in_ld ...] (i < 16) transposed into out[t*ld ...], the first n lanes of each (16x16 floats).
+inline void transpose16(const float* in, int n, float* out, int64_t ld, int64_t in_ld = W) {
 #if KVQ_AVX512
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(in + i * W);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * in_ld);
   for (int i = 0; i < 16; i += 2) {  // 32-bit interleave of row pairs
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -428,7 +435,7 @@ inline void transpose16(const float* in, int n, float* out, int64_t ld) {
     for (int T = 0; T < 2; ++T) {
       __m256* r = blk[I][T];
       __m256 t[8], u[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + (8 * I + i) * W + 8 * T);
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + (8 * I + i) * in_ld + 8 * T);
       for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -447,7 +454,7 @@ inline void transpose16(const float* in, int n, float* out, int64_t ld) {
   for (int c = 0; c < 16; ++c) store(out + c * ld, vf{blk[0][c / 8][c % 8], blk[1][c / 8][c % 8]}, lanes(n));
 #else
   for (int c = 0; c < W; ++c)
-    for (int i = 0; i < n; ++i) out[c * ld + i] = in[i * W + c];
+    for (int i = 0; i < n; ++i) out[c * ld + i] = in[i * in_ld + c];
 #endif
 }
 
@@ -455,7 +462,6 @@ inline void transpose16(const float* in, int n, float* out, int64_t ld) {
 // 16 tokens through a small buffer, transposed 16 channels at a time.
 template <bool TINY>
 void read_key_block(const PlaneArgs& s, int64_t b, int64_t h, int64_t j, int D, float* out) {
-  alignas(64) float buf[DMAX * W];
   KeyChannels ch;
   ch.build(s.kw.at(b, h, j), s.kw_c, D);
 #if KVQ_AVX512  // each channel's 64 tokens by planes64 (what block_scores reads), then 16 tokens at a time
@@ -473,11 +479,10 @@ void read_key_block(const PlaneArgs& s, int64_t b, int64_t h, int64_t j, int D, 
   read.template operator()<8>();
   read.template operator()<12>();
   read.template operator()<16>();
-  for (int o = 0; o < KB; o += W) {
-    for (int c = 0; c < D; ++c) store(buf + c * W, load(rows + c * KB + o, lanes(W)), lanes(W));
-    for (int c = 0; c < D; c += W) transpose16(buf + c * W, std::min(W, D - c), out + o * D + c, D);
-  }
+  for (int o = 0; o < KB; o += W)
+    for (int c = 0; c < D; c += W) transpose16(rows + c * KB + o, std::min(W, D - c), out + o * D + c, D, KB);
 #else
+  alignas(64) float buf[DMAX * W];
   for (int o = 0; o < KB; o += W) {
     key_group<TINY>(ch, s.ka.at(b, h, j) + o, s.kb.at(b, h, j) + o / 2, s.kc.at(b, h, j) + o / 2, W, buf);
     for (int c = 0; c < D; c += W) transpose16(buf + c * W, std::min(W, D - c), out + o * D + c, D);
@@ -1062,19 +1067,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
 #if KVQ_AVX512
       if (rows64 && t0 < nv) {  // runs of one width, read 64 channels at a time (nv is a multiple of SB)
         const uint8_t* wa = t0 + PF + n <= nv ? wv + t0 + PF : nullptr;
-        int mixed = 0;
-        for (int t = 1; t < n; ++t) mixed |= wv[t0 + t] != wv[t0];
-        for (int i = 0; i < n;) {
-          int e = mixed ? i + 1 : n;
-          while (e < n && wv[t0 + e] == wv[t0 + i]) ++e;
-          by_row_count(nr, [&]<int NR>() {
-            if (f.s.tiny_v)
-              value_rows64_at<NR, true>(wv[t0 + i], f.s, b, h, t0 + i, e - i, D, wa ? wa + i : wa, 1, p + i, acc64);
-            else
-              value_rows64_at<NR, false>(wv[t0 + i], f.s, b, h, t0 + i, e - i, D, wa ? wa + i : wa, 1, p + i, acc64);
-          });
-          i = e;
-        }
+        by_row_count(nr, [&]<int NR>() { value_runs<NR>(f.s, b, h, t0, n, D, wv + t0, 1, wa, p, acc64); });
         continue;
       }
 #endif
