@@ -21,6 +21,7 @@ constexpr int KB = 64;  // tokens per key block (kvquant.alignment.BLOCK)
 constexpr int32_t ZERO_EXPONENT = -1024;      // kvquant.bits.ZERO_EXPONENT: floor_log2 of 0
 constexpr int32_t NO_CONTRIBUTION = 1 << 20;  // kvquant.alignment.NO_CONTRIBUTION: the gap of an unread token
 constexpr int PFB = 2;                        // key blocks prefetched ahead (PF tokens)
+constexpr int PF1 = 16;  // value rows' plane A also prefetched this many tokens ahead into L1: 5% off the value pass
 
 // kvquant.bits.floor_log2 of an fp64 value: the exponent field, frexp only for subnormals.
 inline int32_t floor_log2(double x) {
@@ -172,6 +173,11 @@ inline void key_group(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp
   key_channels<16, TINY>(ch, a, bp, cp, n, buf);
 }
 
+// block_scores' independent sums per row (each channel goes to one, they are added at the end): as many as
+// the registers hold. Why: fewer FMAs per chain hide their latency, and the rule's fp32 error bound
+// (score_chain) shrinks with the chain.
+constexpr int score_sets(int nr) { return nr == 1 ? 4 : nr == 2 ? 2 : 1; }
+
 #if KVQ_AVX512
 // Scores of key block j's 64 tokens for NR (<= 4) rows, d[r*BT + t] = q_r . k_t in fp32: each channel's
 // 64 tokens read once at its width (planes64) and multiplied into every row's sums, which stay in
@@ -180,78 +186,102 @@ inline void key_group(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp
 template <int NR, bool TINY>
 void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
                   float* d) {
+  constexpr int S = score_sets(NR);
   const uint8_t *a = s.ka.at(b, h, j), *bp = s.kb.at(b, h, j), *cp = s.kc.at(b, h, j);
   const int64_t ahead = j + PFB < s.nb ? PFB : 0;
   const int64_t pa = ahead * s.ka.s2, pb = ahead * s.kb.s2, pc = ahead * s.kc.s2;
   const bool near1 = j + 1 < s.nb;
-  vf acc[NR][4];
-  for (int r = 0; r < NR; ++r)
-    for (int u = 0; u < 4; ++u) acc[r][u] = zero();
-  auto channels = [&]<int WB>() {
-    const int k = (WB - 8) / 4;
-    for (int i = 0; i < ch.count[k]; ++i) {
-      const int c = ch.list[k][i];
-      const uint8_t *ac = a + c * KB, *bc = bp + c * KB / 2, *cc = cp + c * KB / 2;
-      if (ahead) {
-        __builtin_prefetch(ac + pa, 0, 2);
-        if (WB > 8) __builtin_prefetch(bc + pb, 0, 2);
-        if (WB > 12) __builtin_prefetch(cc + pc, 0, 2);
-      }
-      if (near1) {
-        __builtin_prefetch(ac + s.ka.s2, 0, 3);
-        if (WB > 8) __builtin_prefetch(bc + s.kb.s2, 0, 3);
-        if (WB > 12) __builtin_prefetch(cc + s.kc.s2, 0, 3);
-      }
-      vf x[4];
-      planes64<WB, TINY>(ac, bc, cc, x);
-      for (int r = 0; r < NR; ++r) {
-        const vf qc = set1(q[r][c]);
-        for (int u = 0; u < 4; ++u) acc[r][u] = fma(qc, x[u], acc[r][u]);
-      }
+  vf acc[S][NR][4];
+  for (int e = 0; e < S; ++e)
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < 4; ++u) acc[e][r][u] = zero();
+  auto channel = [&]<int WB>(int c, vf(&sum)[NR][4]) {
+    const uint8_t *ac = a + c * KB, *bc = bp + c * KB / 2, *cc = cp + c * KB / 2;
+    if (ahead) {
+      __builtin_prefetch(ac + pa, 0, 2);
+      if (WB > 8) __builtin_prefetch(bc + pb, 0, 2);
+      if (WB > 12) __builtin_prefetch(cc + pc, 0, 2);
     }
+    if (near1) {
+      __builtin_prefetch(ac + s.ka.s2, 0, 3);
+      if (WB > 8) __builtin_prefetch(bc + s.kb.s2, 0, 3);
+      if (WB > 12) __builtin_prefetch(cc + s.kc.s2, 0, 3);
+    }
+    vf x[4];
+    planes64<WB, TINY>(ac, bc, cc, x);
+    for (int r = 0; r < NR; ++r) {
+      const vf qc = set1(q[r][c]);
+      for (int u = 0; u < 4; ++u) sum[r][u] = fma(qc, x[u], sum[r][u]);
+    }
+  };
+  auto channels = [&]<int WB>() {  // the group's i-th channel into set i % S
+    const int k = (WB - 8) / 4, n = ch.count[k];
+    for (int i = 0; i < n; i += S)
+#pragma GCC unroll 4
+      for (int e = 0; e < S; ++e)
+        if (i + e < n) channel.template operator()<WB>(ch.list[k][i + e], acc[e]);
   };
   channels.template operator()<8>();
   channels.template operator()<12>();
   channels.template operator()<16>();
   for (int r = 0; r < NR; ++r) {
-    order64(acc[r]);
-    for (int u = 0; u < 4; ++u) store(d + r * BT + u * W, acc[r][u], lanes(W));
+    vf sum[4];
+    for (int u = 0; u < 4; ++u) {
+      if constexpr (S == 4)
+        sum[u] = add(add(acc[0][r][u], acc[1][r][u]), add(acc[2][r][u], acc[3][r][u]));
+      else if constexpr (S == 2)
+        sum[u] = add(acc[0][r][u], acc[1][r][u]);
+      else
+        sum[u] = acc[0][r][u];
+    }
+    order64(sum);
+    for (int u = 0; u < 4; ++u) store(d + r * BT + u * W, sum[u], lanes(W));
   }
 }
 
 // acc[r*DMAX + c] += sum_t p[r*BT + t] * v_t[c] over n value rows from t0, all at width WB, for NR (<= 4)
 // rows, the channels in planes64's order (the caller puts them back with order64 once): each row is read
 // 64 channels at a time and multiplied into every row's sums, which stay in registers over the n tokens.
-// Prefetch: the rows PF tokens ahead, plane A, and B / C where their widths (wa[t * ws], from token t0 + PF;
-// nullptr past the planes) read them.
+// With 128 channels and up to 2 rows all sums fit in registers, so a row's two halves are read one after
+// the other (each row in address order: this pass measured a fifth faster at 32x128, 16K, one thread);
+// otherwise a pass over the tokens per 64 channels. Prefetch: the rows PF tokens ahead, plane A, and B / C
+// where their widths (wa[t * ws], from token t0 + PF; nullptr past the planes) read them, into L2; plane A
+// PF1 tokens ahead into L1 (fused fp16's rows measured no faster with the same).
 template <int NR, int WB, bool TINY>
 void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, int D, const uint8_t* wa, int64_t ws,
                   const float* p, float* acc) {
   const uint8_t *a = s.va.at(b, h, t0), *bp = s.vb.at(b, h, t0), *cp = s.vc.at(b, h, t0);
-  for (int c0 = 0; c0 < D; c0 += 64) {
-    vf x[NR][4];
+  auto pass = [&]<int CK>(int c0) {  // CK chunks of 64 channels from c0, token by token
+    vf x[NR][4 * CK];
     for (int r = 0; r < NR; ++r)
-      for (int u = 0; u < 4; ++u) x[r][u] = load(acc + r * DMAX + c0 + u * W, lanes(W));
+      for (int u = 0; u < 4 * CK; ++u) x[r][u] = load(acc + r * DMAX + c0 + u * W, lanes(W));
     for (int t = 0; t < n; ++t) {
-      if (c0 == 0 && wa != nullptr) {
-        const int ahead = wa[t * ws];
-        const uint8_t* pa = a + (t + PF) * s.va.s2;
-        for (int c = 0; c < D; c += 64) __builtin_prefetch(pa + c, 0, 2);
-        if (ahead >= 12)
+      if (c0 == 0 && wa != nullptr) {  // written out here: as a lambda of its own GCC dropped the call
+        const int width = wa[t * ws];
+        for (int c = 0; c < D; c += 64) {
+          __builtin_prefetch(a + (t + PF) * s.va.s2 + c, 0, 2);
+          __builtin_prefetch(a + (t + PF1) * s.va.s2 + c, 0, 3);
+        }
+        if (width >= 12)
           for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(bp + (t + PF) * s.vb.s2 + c, 0, 2);
-        if (ahead >= 16)
+        if (width >= 16)
           for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(cp + (t + PF) * s.vc.s2 + c, 0, 2);
       }
-      vf v[4];
-      planes64<WB, TINY>(a + t * s.va.s2 + c0, bp + t * s.vb.s2 + c0 / 2, cp + t * s.vc.s2 + c0 / 2, v);
+      vf v[4 * CK];
+      for (int k = 0; k < CK; ++k) {
+        const int c = c0 + 64 * k;
+        planes64<WB, TINY>(a + t * s.va.s2 + c, bp + t * s.vb.s2 + c / 2, cp + t * s.vc.s2 + c / 2, v + 4 * k);
+      }
       for (int r = 0; r < NR; ++r) {
         const vf pr = set1(p[r * BT + t]);
-        for (int u = 0; u < 4; ++u) x[r][u] = fma(pr, v[u], x[r][u]);
+        for (int u = 0; u < 4 * CK; ++u) x[r][u] = fma(pr, v[u], x[r][u]);
       }
     }
     for (int r = 0; r < NR; ++r)
-      for (int u = 0; u < 4; ++u) store(acc + r * DMAX + c0 + u * W, x[r][u], lanes(W));
-  }
+      for (int u = 0; u < 4 * CK; ++u) store(acc + r * DMAX + c0 + u * W, x[r][u], lanes(W));
+  };
+  if (NR <= 2 && D == 128) return pass.template operator()<2>(0);
+  for (int c0 = 0; c0 < D; c0 += 64) pass.template operator()<1>(c0);
 }
 
 // value_rows64 over n tokens from t0 whose widths are w[t * ws], a run of one width at a time (wa: the
@@ -680,22 +710,39 @@ inline uint64_t near_bits(const double* s, const double* best, int64_t t0, int64
   return bits;
 }
 
+// The most roundings any product meets on its way into row r's fp32 score of a block token (of R rows;
+// the rule's bound is gamma_n sum_c |q_c k_c|): block_scores' sets of channels (at most D / S + 3, a width
+// group's remainder each) and their pairwise sum, or dot_channel_group's chains and their sum in order.
+inline int score_chain(int64_t R, int64_t r, int D) {
+#if KVQ_AVX512
+  if (R <= 4) {
+    const int S = score_sets(int(R));
+    return D / S + 3 + (S == 4 ? 2 : S == 2 ? 1 : 0);
+  }
+#endif
+  const int64_t nr = std::min<int64_t>(4, R - r / 4 * 4);
+  const int ch = nr == 1 ? 8 : nr == 2 ? 4 : 2;
+  return D / ch + ch - 1;
+}
+
 // Counts of items decided from fp32 scores and of those that needed the fp64 path
 // (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
 std::atomic<int64_t> fast_items{0}, exact_items{0};
+
 
 // The value rule (the paper's per token, kvquant.alignment.value_widths, or the block rule,
 // block_value_widths) decided from fp32 scores where that provably gives the fp64 path's widths; false (and
 // nothing usable written) where it cannot tell, so the caller runs the fp64 path. Why: the rule's fp64 scores
 // cost about a third of fused fp16's whole step on AVX2.
-// Each fp32 score s~ is within dl of the exact one: an fp32 FMA chain over D products errs by at most
-// gamma_D * sum_c |q_c k_c| (gamma_D = D u / (1 - D u), u = 2^-24), and |k_c| <= 1.126 |K|max_c + 2^-14
-// for a key read at any width (the fill raises a magnitude by at most 1/8, subnormals by 2^-15). The
-// strided top-k classes' contenders (within 2 dl of the class's best) are rescored in fp64 (dx: ours and
-// torch's fp64 sums both within D 2^-53 sum|q k| of the exact one), so the top-k, the max and O_est's
-// addends are exact up to dx. Every probability then lies in p~ * [lo, hi] from those bounds and the
-// bounds of the softmax sum; O_est's exponents and each block's (or token's) largest e(p) are taken at both
-// ends, and one whose width differs between them (or a probability near underflow) sends the item to fp64.
+// Each fp32 score s~ is within dl of the exact one: a product that meets n roundings on its way into the
+// sum (score_chain) leaves an error of at most gamma_n * sum_c |q_c k_c| (gamma_n = n u / (1 - n u),
+// u = 2^-24), and |k_c| <= 1.126 |K|max_c + 2^-14 for a key read at any width (the fill raises a magnitude
+// by at most 1/8, subnormals by 2^-15). A strided top-k class with more than one contender (within 2 dl of
+// the class's best) has them rescored in fp64 (dx: ours and torch's fp64 sums both within D 2^-53 sum|q k|
+// of the exact one), so the top-k is exact; a lone contender is the argmax without it. Every probability
+// then lies in p~ * [lo, hi] from its kind's bound (dl, or dx for fp64 scores) and the bounds of the softmax
+// sum; O_est's exponents and each block's (or token's) largest e(p) are taken at both ends, and one whose
+// width differs between them (or a probability near underflow) sends the item to fp64.
 template <int NC>
 bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule& rule, int64_t b, int64_t h,
                      const std::vector<const float*>& q, const std::vector<int64_t>& moff, double* S, uint8_t* wv) {
@@ -707,8 +754,8 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   for (int64_t r = 0; r < R; ++r) {
     double a = 0.0;
     for (int c = 0; c < D; ++c) a += std::fabs(double(q[r][c])) * (1.126 * double(half_to_float(kabs[c])) + 0x1p-14);
-    const double sum = std::fabs(rule.scaling) * a * 1.0001;
-    dl[r] = sum * D * 0x1p-24 / (1.0 - D * 0x1p-24);
+    const double sum = std::fabs(rule.scaling) * a * 1.0001, n = score_chain(R, r, D);
+    dl[r] = sum * n * 0x1p-24 / (1.0 - n * 0x1p-24);
     dx[r] = 2.0 * sum * D * 0x1p-53 + 1e-300;
     if (!std::isfinite(dl[r])) return false;
   }
@@ -777,6 +824,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   std::vector<double> hi_e(R), hi_a(R), lo_e(R), lo_a(R);
   std::vector<int64_t> idx(static_cast<size_t>(R * kk));
   std::vector<double> best(kk);
+  std::vector<int32_t> count(kk);
   for (int64_t r = 0; r < R; ++r) {
     double* srow = S + r * L;
     uint8_t* e = ex.data() + r * L;
@@ -787,28 +835,41 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     for (int64_t t0 = 0; t0 < L; t0 += kk)
       for (int64_t j = 0, m = std::min(kk, L - t0); j < m; ++j)
         best[j] = std::max(best[j], srow[t0 + j] - (t0 + j < nv ? hb : ht));
-    std::vector<double> top(kk, -INFINITY);  // then the largest fp64 score of the class's contenders
+    // The contenders: a class's argmax is among them, and only a class with two or more needs their fp64
+    // scores to tell which (a lone contender is the argmax, its score within its kind's half width).
+    std::fill(count.begin(), count.end(), 0);
     int64_t* id = idx.data() + r * kk;
     for (int64_t j = 0; j < kk; ++j) id[j] = j;  // a class no key reaches: its first token, as argmax
+    bool shared = false;
     for (int64_t t0 = 0; t0 < L; t0 += kk)
       for (int64_t j0 = 0, m = std::min(kk, L - t0); j0 < m; j0 += 64)
         for (uint64_t bits = near_bits(srow + t0 + j0, best.data() + j0, t0 + j0, std::min<int64_t>(64, m - j0), nv, hb, ht);
              bits; bits &= bits - 1) {
+          const int64_t j = j0 + __builtin_ctzll(bits);
+          if (count[j]++ == 0) id[j] = t0 + j;
+          shared |= count[j] == 2;
+        }
+    for (int64_t t0 = 0; shared && t0 < L; t0 += kk)
+      for (int64_t j0 = 0, m = std::min(kk, L - t0); j0 < m; j0 += 64)
+        for (uint64_t bits = near_bits(srow + t0 + j0, best.data() + j0, t0 + j0, std::min<int64_t>(64, m - j0), nv, hb, ht);
+             bits; bits &= bits - 1) {
           const int64_t j = j0 + __builtin_ctzll(bits), t = t0 + j;
-          if (!e[t]) {  // a contender: its fp64 score (block tokens only; the tail is fp64 already)
+          if (count[j] < 2) continue;
+          if (!e[t]) {  // its fp64 score (block tokens only; the tail is fp64 already)
             double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
             if (P.has_mask && P.mask.b == nullptr) y += double(P.mask.f[moff[r] + t * P.mask.st]);
             srow[t] = y;
             e[t] = 1;
           }
-          if (srow[t] > top[j]) {  // first on ties, as the exact path's strict >
-            top[j] = srow[t];
-            id[j] = t;
-          }
+          if (t != id[j] && srow[t] > srow[id[j]]) id[j] = t;  // first on ties, as the exact path's strict >
         }
     // The largest score is a contender's (a key that is not one scores below its class's best lower
-    // bound, which a contender's exact score reaches), so it is the largest of the classes' tops.
-    const double mx = *std::max_element(top.begin(), top.end());
+    // bound, which a contender's score reaches, rescored or not), so it is the largest of the argmaxes'.
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < kk; ++j) {
+      mx = std::max(mx, srow[id[j]]);
+      if (id[j] < nv) prefetch_span(f.s.va.at(b, h, id[j]), D);  // O_est's plane-A rows, read after the softmax
+    }
     if (mx == -INFINITY) {  // no key seen: every probability 0, as the exact path
       std::fill(srow, srow + L, 0.0);
       hi_e[r] = hi_a[r] = lo_e[r] = lo_a[r] = 1.0;
@@ -841,13 +902,15 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   auto high_byte = [&](int64_t t, int c) -> uint8_t {
     return t < nv ? f.s.va.at(b, h, t)[c] : uint8_t(f.s.tail_v.row(b, h, t - nv)[c] >> 8);
   };
-  // O_est at both ends: its addends are exact-scored probabilities, so O_est lies in O~ * [lo_e, hi_e].
+  // O_est at both ends: its addends are probabilities of either kind, so O_est lies in O~ * [lo, hi] for the
+  // wider of the two kinds' factors.
   std::vector<double> x(static_cast<size_t>((kk + 1) * D));
   std::vector<int32_t> eo_lo(D), eo_hi(D);
   for (int64_t r = 0; r < R; ++r) {
     o_estimate(S + r * L, idx.data() + r * kk, kk, D, rule.v8, high_byte, x);
     for (int c = 0; c < D; ++c) {
-      const int32_t a = floor_log2(x[c] * lo_e[r] * (1 - 1e-12)), z = floor_log2(x[c] * hi_e[r] * (1 + 1e-12));
+      const int32_t a = floor_log2(x[c] * std::min(lo_e[r], lo_a[r]) * (1 - 1e-12));
+      const int32_t z = floor_log2(x[c] * std::max(hi_e[r], hi_a[r]) * (1 + 1e-12));
       eo_lo[c] = r == 0 ? a : std::min(eo_lo[c], a);
       eo_hi[c] = r == 0 ? z : std::min(eo_hi[c], z);
     }
@@ -863,6 +926,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     int16_t g_lo = std::numeric_limits<int16_t>::max(), g_hi = g_lo;
     if (rule.value_block > 0) {  // the block rule: the exponent bytes kept at append
       const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
+      if (t0 + 8 * span < nv) prefetch_span(exb + 8 * rule.v_exp.s2, D);  // a row at a time, 8 blocks ahead
       for (int c = 0; c < D; ++c) {
         g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - exb[c]));
         g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - exb[c]));

@@ -422,6 +422,49 @@ def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, ru
     assert torch.equal(wv, exact_wv)
 
 
+@pytest.mark.parametrize("rule", ["paper", "block"])
+@pytest.mark.parametrize("hq,hkv,d", [(2, 2, 128), (8, 2, 64), (6, 1, 96)])
+def test_rule_from_fp32_scores_resolves_tied_and_near_tied_class_leaders(built, threads, hq, hkv, d, rule):
+    """Classes of the strided top-k whose leaders tie exactly (copies of one key) or nearly (one channel a
+    half-ulp apart, closer than the fp32 scores' bound): the fp32 path rescores those classes' contenders in
+    fp64 and takes the first on ties, so its widths are ``exact_scores``' and the torch rule's; the other
+    classes keep their lone contender unrescored. Most items are still decided from fp32."""
+    from kvquant.alignment import block_value_widths, block_widths, high_byte_values, value_widths
+    from kvquant.formats.planes import PlaneStore
+    from kvquant.formats.planes import scores as _scores
+
+    length, topk = 1100, 32
+    g = torch.Generator().manual_seed(hq * d)
+    q = torch.randn(1, hq, 1, d, generator=g)
+    k = torch.randn(1, hkv, length, d, generator=g)
+    v = torch.randn(1, hkv, length, d, generator=g)
+    lead = q.view(1, hkv, hq // hkv, d).mean(2).sign() * 1.5  # a key every row of the KV head scores high
+    for j in range(8):  # classes 0-7: three exact copies of one leader; 8-15: two leaders a half-ulp apart
+        k[:, :, [j, j + 2 * topk, j + 9 * topk]] = lead[:, :, None]
+        k[:, :, [8 + j, 8 + j + 5 * topk]] = lead[:, :, None] * (0.9 + 0.01 * j)
+        k[:, :, 8 + j + 5 * topk, j] *= 1 + 2.0**-11
+    block = rule == "block"
+    store = PlaneStore(value_block=32 if block else 0)
+    store.append(k.half(), v.half())
+    wk = random_widths(1, hkv, d, seed=3)
+    keys = store.read_keys(wk, torch.float32)
+    v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
+    kw = dict(k_widths=wk, v8=v8, v_thresholds=(4.0, 8.0), topk=topk, v_block=32 if block else 16, block_rule=block)
+    scores = _scores(q, keys, None, d**-0.5, None, torch.float64)
+    if block:
+        expected = block_value_widths(scores, store.v_exp, store.high_bytes_at, (4.0, 8.0), topk, 32)
+    else:
+        paper = value_widths(scores, store.value_high_bytes(), (4.0, 8.0), topk)[:, :, : store.n_full]
+        expected = block_widths(paper, 16)
+    before = kernels_cpu.aligned_rule_counts()
+    out, wv = kernels_cpu.attend_aligned(q, store, **kw)
+    after = kernels_cpu.aligned_rule_counts()
+    exact_out, exact_wv = kernels_cpu.attend_aligned(q, store, exact_scores=True, **kw)
+    assert torch.equal(wv, exact_wv) and torch.equal(wv, expected)
+    assert_close(out, exact_out.double())
+    assert after[0] - before[0] >= 1  # of hkv items
+
+
 def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
     """All 63,488 finite fp16 patterns as values (31 whole blocks of 32 channels) at 8, 12 and 16 bits,
     each query row seeing one value: the output is that value as the kernel read it, bit for bit; and
