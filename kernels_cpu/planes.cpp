@@ -176,7 +176,7 @@ inline void key_group(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp
 // block_scores' independent sums per row (each channel goes to one, they are added at the end): as many as
 // the registers hold. Why: fewer FMAs per chain hide their latency, and the rule's fp32 error bound
 // (score_chain) shrinks with the chain.
-constexpr int score_sets(int nr) { return nr == 1 ? 4 : nr == 2 ? 2 : 1; }
+constexpr int score_sets(int nr) { return nr == 1 ? 4 : nr <= 3 ? 2 : 1; }
 
 #if KVQ_AVX512
 // Scores of key block j's 64 tokens for NR (<= 4) rows, d[r*BT + t] = q_r . k_t in fp32: each channel's
@@ -711,13 +711,14 @@ inline uint64_t near_bits(const double* s, const double* best, int64_t t0, int64
 }
 
 // The most roundings any product meets on its way into row r's fp32 score of a block token (of R rows;
-// the rule's bound is gamma_n sum_c |q_c k_c|): block_scores' sets of channels (at most D / S + 3, a width
-// group's remainder each) and their pairwise sum, or dot_channel_group's chains and their sum in order.
+// the rule's bound is gamma_n sum_c |q_c k_c|): block_scores' sets of channels (with S > 1 sets, at most
+// sum_k ceil(count_k / S) < D / S + 3 over the three width groups) and their pairwise sum, or
+// dot_channel_group's chains and their sum in order.
 inline int score_chain(int64_t R, int64_t r, int D) {
 #if KVQ_AVX512
   if (R <= 4) {
     const int S = score_sets(int(R));
-    return D / S + 3 + (S == 4 ? 2 : S == 2 ? 1 : 0);
+    return S == 1 ? D : D / S + 2 + (S == 4 ? 2 : 1);
   }
 #endif
   const int64_t nr = std::min<int64_t>(4, R - r / 4 * 4);
