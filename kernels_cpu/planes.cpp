@@ -1119,8 +1119,9 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
 #if KVQ_AVX512
     if (rows64) std::fill(acc64, acc64 + nr * DMAX, 0.0f);
 #endif
-    for (int64_t t0 = 0; t0 < L; t0 += SB) {
-      const int n = int(std::min<int64_t>(SB, L - t0));
+    int n = 0;
+    for (int64_t t0 = 0; t0 < L; t0 += n) {  // a key block's tokens at a time where value_runs reads them
+      n = int(std::min<int64_t>(rows64 && t0 < nv ? BT : SB, L - t0));
       int any = 0;
       for (int r = 0; r < nr; ++r) {
         const double* sr = S.data() + (r0 + r) * L + t0;
@@ -1130,7 +1131,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
       }
       if (!any) continue;
 #if KVQ_AVX512
-      if (rows64 && t0 < nv) {  // runs of one width, read 64 channels at a time (nv is a multiple of SB)
+      if (rows64 && t0 < nv) {  // runs of one width, read 64 channels at a time (nv is a multiple of BT)
         const uint8_t* wa = t0 + PF + n <= nv ? wv + t0 + PF : nullptr;
         by_row_count(nr, [&]<int NR>() { value_runs<NR>(f.s, b, h, t0, n, D, wv + t0, 1, wa, p, acc64); });
         continue;
