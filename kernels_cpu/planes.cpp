@@ -923,23 +923,20 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   }
   auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
   const int64_t span = rule.value_block > 0 ? rule.value_block : 1;  // tokens sharing one width
+  const bool one_o = o_lo == o_hi;  // O_est's exponents alike at both ends (the usual case): one gap
   for (int64_t t0 = 0; t0 < nv; t0 += span) {
     int16_t g_lo = std::numeric_limits<int16_t>::max(), g_hi = g_lo;
     if (rule.value_block > 0) {  // the block rule: the exponent bytes kept at append
       const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
-      if (t0 + 8 * span < nv) prefetch_span(exb + 8 * rule.v_exp.s2, D);  // a row at a time, 8 blocks ahead
-      for (int c = 0; c < D; ++c) {
-        g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - exb[c]));
-        g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - exb[c]));
-      }
+      if (t0 + 32 * span < nv) prefetch_span(exb + 32 * rule.v_exp.s2, D);  // a row at a time, 32 blocks ahead
+      for (int c = 0; c < D; ++c) g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - exb[c]));
+      for (int c = 0; !one_o && c < D; ++c) g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - exb[c]));
     } else {  // the paper's rule: the token's plane-A exponent fields
       const uint8_t* row = f.s.va.at(b, h, t0);
-      for (int c = 0; c < D; ++c) {
-        const int16_t field = (row[c] >> 2) & 0x1f;
-        g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - field));
-        g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - field));
-      }
+      for (int c = 0; c < D; ++c) g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - ((row[c] >> 2) & 0x1f)));
+      for (int c = 0; !one_o && c < D; ++c) g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - ((row[c] >> 2) & 0x1f)));
     }
+    if (one_o) g_hi = g_lo;
     // The largest probability's bounds: within each kind of key (fp64- or fp32-scored) the largest
     // probability times its factor, as rounding a product is monotone in the probability.
     double top_lo = 0.0, top_hi = 0.0;
