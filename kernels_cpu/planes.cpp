@@ -730,7 +730,6 @@ inline int score_chain(int64_t R, int64_t r, int D) {
 // (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
 std::atomic<int64_t> fast_items{0}, exact_items{0};
 
-
 // The value rule (the paper's per token, kvquant.alignment.value_widths, or the block rule,
 // block_value_widths) decided from fp32 scores where that provably gives the fp64 path's widths; false (and
 // nothing usable written) where it cannot tell, so the caller runs the fp64 path. Why: the rule's fp64 scores
