@@ -425,10 +425,11 @@ def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, ru
 @pytest.mark.parametrize("rule", ["paper", "block"])
 @pytest.mark.parametrize("hq,hkv,d", [(2, 2, 128), (8, 2, 64), (6, 1, 96)])
 def test_rule_from_fp32_scores_resolves_tied_and_near_tied_class_leaders(built, threads, hq, hkv, d, rule):
-    """Classes of the strided top-k whose leaders tie exactly (copies of one key) or nearly (one channel a
-    half-ulp apart, closer than the fp32 scores' bound): the fp32 path rescores those classes' contenders in
-    fp64 and takes the first on ties, so its widths are ``exact_scores``' and the torch rule's; the other
-    classes keep their lone contender unrescored. Most items are still decided from fp32."""
+    """Classes of the strided top-k whose leaders tie exactly (copies of one key) or nearly (one channel nudged
+    by half an fp16 ulp, so equal or one ulp apart once stored: closer than the fp32 scores' bound): the fp32
+    path rescores those classes' contenders in fp64 and takes the first on ties, so its widths are
+    ``exact_scores``' and the torch rule's; the other classes keep their lone contender unrescored. At least
+    one item is still decided from fp32 (not sent whole to fp64)."""
     from kvquant.alignment import block_value_widths, block_widths, high_byte_values, value_widths
     from kvquant.formats.planes import PlaneStore
     from kvquant.formats.planes import scores as _scores
@@ -439,7 +440,7 @@ def test_rule_from_fp32_scores_resolves_tied_and_near_tied_class_leaders(built, 
     k = torch.randn(1, hkv, length, d, generator=g)
     v = torch.randn(1, hkv, length, d, generator=g)
     lead = q.view(1, hkv, hq // hkv, d).mean(2).sign() * 1.5  # a key every row of the KV head scores high
-    for j in range(8):  # classes 0-7: three exact copies of one leader; 8-15: two leaders a half-ulp apart
+    for j in range(8):  # classes 0-7: three exact copies of one leader; 8-15: two leaders, one channel nudged
         k[:, :, [j, j + 2 * topk, j + 9 * topk]] = lead[:, :, None]
         k[:, :, [8 + j, 8 + j + 5 * topk]] = lead[:, :, None] * (0.9 + 0.01 * j)
         k[:, :, 8 + j + 5 * topk, j] *= 1 + 2.0**-11
