@@ -39,21 +39,24 @@ inline int32_t floor_log2(double x) {
 // the degree-13 Taylor polynomial (truncation < 5e-18 for |r| <= ln2 / 2), scaled by scalef (so
 // subnormal results round once); within a few ulp of libm's exp, as far from it as torch's own
 // vectorized exp is. Elsewhere libm's exp.
-inline void exp_nonpositive(const double* in, double* out, int64_t n) {
 #if KVQ_AVX512
+inline __m512d exp8(__m512d v) {
   constexpr double C[14] = {1.0,           1.0,           1.0 / 2,        1.0 / 6,         1.0 / 24,
                             1.0 / 120,     1.0 / 720,     1.0 / 5040,     1.0 / 40320,     1.0 / 362880,
                             1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};
-  auto exp8 = [&](__m512d v) {
-    v = _mm512_max_pd(v, _mm512_set1_pd(-746.0));  // exp(-746) rounds to 0 (and keeps -inf out of r)
-    const __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(v, _mm512_set1_pd(1.4426950408889634)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(0.6931471803691238), v);
-    r = _mm512_fnmadd_pd(k, _mm512_set1_pd(1.9082149292705877e-10), r);
-    __m512d p = _mm512_set1_pd(C[13]);
-    for (int j = 12; j >= 0; --j) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(C[j]));
-    return _mm512_scalef_pd(p, k);
-  };
+  v = _mm512_max_pd(v, _mm512_set1_pd(-746.0));  // exp(-746) rounds to 0 (and keeps -inf out of r)
+  const __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(v, _mm512_set1_pd(1.4426950408889634)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(0.6931471803691238), v);
+  r = _mm512_fnmadd_pd(k, _mm512_set1_pd(1.9082149292705877e-10), r);
+  __m512d p = _mm512_set1_pd(C[13]);
+  for (int j = 12; j >= 0; --j) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(C[j]));
+  return _mm512_scalef_pd(p, k);
+}
+#endif
+
+inline void exp_nonpositive(const double* in, double* out, int64_t n) {
+#if KVQ_AVX512
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm512_storeu_pd(out + i, exp8(_mm512_loadu_pd(in + i)));
   if (i < n) {
@@ -634,9 +637,45 @@ inline __mmask8 marked8(const uint8_t* e, __mmask8 m) {
 }
 #endif
 
+// min over c < D of o[c] - e(x[c]) in int16, e the byte itself (the block rule's exponent bytes) or plane A's
+// exponent field (x >> 2) & 0x1f (the paper's rule). Why vectors: the value rule runs it per block (per token
+// for the paper's rule) over every channel.
+template <bool FIELD>
+inline int16_t least_gap(const int16_t* o, const uint8_t* x, int D) {
+#if KVQ_AVX512
+  __m512i m = _mm512_set1_epi16(std::numeric_limits<int16_t>::max());
+  for (int c = 0; c < D; c += 32) {
+    const __mmask32 k = D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1;
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(k, x + c));
+    if constexpr (FIELD) v = _mm512_and_si512(_mm512_srli_epi16(v, 2), _mm512_set1_epi16(0x1f));
+    m = _mm512_mask_min_epi16(m, k, m, _mm512_sub_epi16(_mm512_maskz_loadu_epi16(k, o + c), v));
+  }
+  const __m256i h = _mm256_min_epi16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1));
+  const __m128i q = _mm_min_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  const __m128i flip = _mm_set1_epi16(std::numeric_limits<int16_t>::min());  // signed order as unsigned
+  return int16_t(uint16_t(_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(q, flip)))) ^ 0x8000u);
+#else
+  int16_t g = std::numeric_limits<int16_t>::max();
+  for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(o[c] - (FIELD ? (x[c] >> 2) & 0x1f : x[c])));
+  return g;
+#endif
+}
+
 // Largest of x[t] over the keys with e[t] set (me) and over the rest (ma), for x >= 0 (0 where none).
 inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double& me, double& ma) {
 #if KVQ_AVX512
+  __mmask64 marked = 0;  // the usual span holds fp32-scored keys only: then one max, no per-lane kinds
+  for (int64_t t = 0; t < n; t += 64) {
+    const __mmask64 k = n - t >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - t)) - 1;
+    marked |= _mm512_test_epi8_mask(_mm512_maskz_loadu_epi8(k, e + t), _mm512_set1_epi8(-1));
+  }
+  if (!marked) {
+    __m512d v = _mm512_setzero_pd();
+    for (int64_t t = 0; t < n; t += 8) v = _mm512_max_pd(v, _mm512_maskz_loadu_pd(lanes8(n - t), x + t));
+    me = 0.0;
+    ma = _mm512_reduce_max_pd(v);
+    return;
+  }
   __m512d ve = _mm512_setzero_pd(), va = _mm512_setzero_pd();
   for (int64_t t = 0; t < n; t += 8) {
     const __mmask8 m = lanes8(n - t), k = marked8(e + t, m);
@@ -658,29 +697,37 @@ inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double
 #endif
 }
 
-// x[t] added into 8 interleaved lanes of sums over the keys with e[t] set (le) and over the rest (la),
-// lane t % 8 (n a multiple of 8 but at the end); true if some x[t] < 2^-1000 has shifted[t] > -760 (a
-// probability near underflow, which the fp32 bounds do not cover).
-inline bool add_by_kind(const double* x, const double* shifted, const uint8_t* e, int64_t n, double* le, double* la) {
+// s[t] -> exp(s[t] - mx) in place, added into 8 interleaved lanes of sums over the keys with e[t] set (le)
+// and over the rest (la), lane t % 8; true if some result < 2^-1000 has s[t] - mx > -760 (a probability near
+// underflow, which the fp32 bounds do not cover). AVX-512: one pass, the shifted scores never stored.
+inline bool exp_by_kind(double* s, const uint8_t* e, int64_t n, double mx, double* le, double* la) {
 #if KVQ_AVX512
   __m512d ve = _mm512_loadu_pd(le), va = _mm512_loadu_pd(la);
   __mmask8 lo = 0;
   for (int64_t t = 0; t < n; t += 8) {
     const __mmask8 m = lanes8(n - t), k = marked8(e + t, m);
-    const __m512d v = _mm512_maskz_loadu_pd(m, x + t);
+    const __m512d shifted = _mm512_sub_pd(_mm512_maskz_loadu_pd(m, s + t), _mm512_set1_pd(mx));
+    const __m512d v = _mm512_maskz_mov_pd(m, exp8(shifted));
+    _mm512_mask_storeu_pd(s + t, m, v);
     ve = _mm512_mask_add_pd(ve, k, ve, v);
     va = _mm512_mask_add_pd(va, __mmask8(~k & m), va, v);
     lo |= _mm512_mask_cmp_pd_mask(m, v, _mm512_set1_pd(0x1p-1000), _CMP_LT_OQ) &
-          _mm512_mask_cmp_pd_mask(m, _mm512_maskz_loadu_pd(m, shifted + t), _mm512_set1_pd(-760.0), _CMP_GT_OQ);
+          _mm512_mask_cmp_pd_mask(m, shifted, _mm512_set1_pd(-760.0), _CMP_GT_OQ);
   }
   _mm512_storeu_pd(le, ve);
   _mm512_storeu_pd(la, va);
   return lo != 0;
 #else
   bool low = false;
-  for (int64_t t = 0; t < n; ++t) {
-    low = low || (x[t] < 0x1p-1000 && shifted[t] > -760.0);
-    (e[t] ? le : la)[t % 8] += x[t];
+  alignas(64) double shifted[512];
+  for (int64_t t0 = 0; t0 < n; t0 += 512) {  // a chunk at a time: the shifted scores stay in L1
+    const int64_t m = std::min<int64_t>(512, n - t0);
+    for (int64_t t = 0; t < m; ++t) shifted[t] = s[t0 + t] - mx;
+    exp_nonpositive(shifted, s + t0, m);
+    for (int64_t t = 0; t < m; ++t) {
+      low = low || (s[t0 + t] < 0x1p-1000 && shifted[t] > -760.0);
+      (e[t0 + t] ? le : la)[t % 8] += s[t0 + t];
+    }
   }
   return low;
 #endif
@@ -725,6 +772,15 @@ inline int score_chain(int64_t R, int64_t r, int D) {
   const int ch = nr == 1 ? 8 : nr == 2 ? 4 : 2;
   return D / ch + ch - 1;
 }
+
+// A span of memory prefetched into L2 a few lines per call, so that the fetches spread over a compute loop.
+struct LinesAhead {
+  const char* p = nullptr;
+  int64_t left = 0;
+  void lines(int k) {
+    for (; k > 0 && left > 0; --k, p += 64, left -= 64) __builtin_prefetch(p, 0, 2);
+  }
+};
 
 // Counts of items decided from fp32 scores and of those that needed the fp64 path
 // (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
@@ -822,6 +878,11 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     t0 += n;
   }
   std::vector<double> hi_e(R), hi_a(R), lo_e(R), lo_a(R);
+  // The block rule's exponent bytes (one row per value block), read by the width loop at the end, fetched into
+  // L2 a few lines at a time while the softmax computes (memory is idle then; the width loop found them cold).
+  LinesAhead exb_ahead;
+  if (rule.value_block > 0 && rule.v_exp.s2 == D)
+    exb_ahead = {reinterpret_cast<const char*>(rule.v_exp.at(b, h, 0)), nv / rule.value_block * D};
   std::vector<int64_t> idx(static_cast<size_t>(R * kk));
   std::vector<double> best(kk);
   std::vector<int32_t> count(kk);
@@ -875,17 +936,14 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
       hi_e[r] = hi_a[r] = lo_e[r] = lo_a[r] = 1.0;
       continue;
     }
-    // e(s - max) a chunk at a time (the shifted scores stay in L1), summed over fp64-scored (ze) and
-    // fp32-scored (za) keys in 8 lanes each; their rounding, (L/8 + 3) u at most, goes into the margin
-    // beside exp's few ulp; a probability near underflow sends the item to fp64.
+    // e(s - max), summed over fp64-scored (ze) and fp32-scored (za) keys in 8 lanes each; their rounding,
+    // (L/8 + 3) u at most, goes into the margin beside exp's few ulp; a probability near underflow sends the
+    // item to fp64.
     double lane_e[8] = {}, lane_a[8] = {};
     bool low = false;
-    alignas(64) double shifted[512];
     for (int64_t t0 = 0; t0 < L; t0 += 512) {
-      const int64_t m = std::min<int64_t>(512, L - t0);
-      for (int64_t t = 0; t < m; ++t) shifted[t] = srow[t0 + t] - mx;
-      exp_nonpositive(shifted, srow + t0, m);
-      low |= add_by_kind(srow + t0, shifted, e + t0, m, lane_e, lane_a);
+      exb_ahead.lines(32);
+      low |= exp_by_kind(srow + t0, e + t0, std::min<int64_t>(512, L - t0), mx, lane_e, lane_a);
     }
     if (low) return false;
     const double ze = lane_sum(lane_e), za = lane_sum(lane_a);
@@ -928,12 +986,12 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     if (rule.value_block > 0) {  // the block rule: the exponent bytes kept at append
       const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
       if (t0 + 32 * span < nv) prefetch_span(exb + 32 * rule.v_exp.s2, D);  // a row at a time, 32 blocks ahead
-      for (int c = 0; c < D; ++c) g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - exb[c]));
-      for (int c = 0; !one_o && c < D; ++c) g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - exb[c]));
+      g_lo = least_gap<false>(o_lo.data(), exb, D);
+      if (!one_o) g_hi = least_gap<false>(o_hi.data(), exb, D);
     } else {  // the paper's rule: the token's plane-A exponent fields
       const uint8_t* row = f.s.va.at(b, h, t0);
-      for (int c = 0; c < D; ++c) g_lo = std::min<int16_t>(g_lo, int16_t(o_lo[c] - ((row[c] >> 2) & 0x1f)));
-      for (int c = 0; !one_o && c < D; ++c) g_hi = std::min<int16_t>(g_hi, int16_t(o_hi[c] - ((row[c] >> 2) & 0x1f)));
+      g_lo = least_gap<true>(o_lo.data(), row, D);
+      if (!one_o) g_hi = least_gap<true>(o_hi.data(), row, D);
     }
     if (one_o) g_hi = g_lo;
     // The largest probability's bounds: within each kind of key (fp64- or fp32-scored) the largest
