@@ -8,7 +8,7 @@ from kvquant.data import tinystories_pieces, wikitext2_test
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.eval.fidelity import first_flip_is_near_tie, greedy_decode, kl_divergence, unexplained_flips
 from kvquant.eval.perplexity import chunked_nll
-from kvquant.methods.alignedkv import width_histograms
+from kvquant.methods.alignedkv import head_width_counts, width_histograms
 
 INF = (float("inf"), float("inf"))
 
@@ -563,3 +563,27 @@ def test_a_whole_prompt_without_a_mask_is_causal_for_the_rules(stories, monkeypa
         assert bool(ruled) == (backend == "torch")
     assert nll["cpu"] == pytest.approx(nll["torch"], rel=5e-5)
     assert stats["cpu"] == stats["torch"] and stats["cpu"]["bits_read"] < 16.0
+
+
+@pytest.mark.parametrize("blockwise", [False, True], ids=["per-column", "per-block"])
+@pytest.mark.parametrize("first", [0, 10, 64, 200])
+def test_head_width_counts_count_each_heads_reads_in_the_window(blockwise, first):
+    """The bits-read histogram's per-step counts (numpy on CPU tensors): every (key token, channel) of the
+    window ``first..n_full`` and every value token, per KV head and width, counted one by one here."""
+    g = torch.Generator().manual_seed(first + blockwise)
+    widths = torch.tensor([8, 12, 16], dtype=torch.int32)
+    b, h, nb, d = 2, 3, 4, 16
+    wk = widths[torch.randint(0, 3, (b, h, nb, d) if blockwise else (b, h, d), generator=g)]
+    wv = widths[torch.randint(0, 3, (b, h, nb * 64), generator=g)]
+    per_k, per_v = head_width_counts(wk, wv, first, nb * 64)
+    want_k, want_v = torch.zeros(h, 3, dtype=torch.int64), torch.zeros(h, 3, dtype=torch.int64)
+    for i in range(b):
+        for j in range(h):
+            for t in range(first, nb * 64):
+                for c in range(d):
+                    w = int(wk[i, j, t // 64, c] if blockwise else wk[i, j, c])
+                    want_k[j, (w - 8) // 4] += 1
+            for t in range(nb * 64):
+                want_v[j, (int(wv[i, j, t]) - 8) // 4] += 1
+    assert per_k.dtype == per_v.dtype == torch.int64
+    assert torch.equal(per_k, want_k) and torch.equal(per_v, want_v)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from kvquant.alignment import check_thresholds
@@ -29,6 +30,32 @@ from kvquant.errors import InvalidParameterError
 from kvquant.formats.base import Reads
 from kvquant.formats.planes import BLOCK, WIDTHS, AlignedRule, PlaneStore, aligned_read, decide_widths, scores
 from kvquant.methods.base import KVMethod, register_method
+
+
+def head_width_counts(wk: torch.Tensor, wv: torch.Tensor, first: int, n_full: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, how many (key token, channel) and value tokens of the window ``first..n_full`` were read at
+    each of ``WIDTHS``: int64 ``[H, 3]`` each, on ``wk``'s device. ``wk``: ``[B, H, D]`` per column or
+    ``[B, H, nb, D]`` per (block, column); ``wv``: ``[B, H, n]``. CPU tensors are counted in numpy: the same
+    integers with less overhead per op than torch's small ops (a decode step counts every layer)."""
+    n = len(WIDTHS)
+    h = wk.shape[1]
+    cpu = wk.device.type == "cpu" and wv.device.type == "cpu"
+    xp, k, v = (np, wk.numpy(), wv.numpy()) if cpu else (torch, wk, wv)
+    heads = (np.arange(h, dtype=np.int64) if cpu else torch.arange(h, device=wk.device)) * n
+    k_index = (heads.reshape(1, h, *[1] * (k.ndim - 2)) + (k >> 2) - 2).reshape(-1)  # 8/12/16 -> 0/1/2
+    if k.ndim == 4:  # per (block, channel): weighted by the block's tokens in the window
+        start = (np.arange(k.shape[2]) if cpu else torch.arange(k.shape[2], device=wk.device)) * BLOCK
+        inside = xp.clip(start + BLOCK - xp.maximum(start, xp.full_like(start, first)), 0, BLOCK)
+        weights = xp.broadcast_to(inside.reshape(1, 1, -1, 1), k.shape).reshape(-1)
+        weights = weights.astype(np.float64) if cpu else weights.double()
+        per_k = xp.bincount(k_index, weights, minlength=h * n)
+        per_k = np.rint(per_k).astype(np.int64) if cpu else per_k.round().long()
+    else:  # per column: every block token in the window
+        per_k = xp.bincount(k_index, minlength=h * n) * max(0, n_full - first)
+    per_v = xp.bincount((heads.reshape(1, h, 1) + (v >> 2) - 2).reshape(-1), minlength=h * n)
+    if cpu:
+        per_k, per_v = torch.from_numpy(per_k.astype(np.int64)), torch.from_numpy(per_v.astype(np.int64))
+    return per_k.view(h, n), per_v.view(h, n)
 
 
 class AlignedLayer(KVLayer):
@@ -140,19 +167,9 @@ class AlignedLayer(KVLayer):
         """Per-head width counts of the tokens this step's attention saw; folded into ``counts()``
         lazily (no sync per step)."""
         store = self.store
-        first = store.first_visible
         b, h, _, d = store.tail_k.shape
-        heads = torch.arange(h, device=wk.device) * len(WIDTHS)
-        k_index = (heads.view(1, h, *[1] * (wk.dim() - 2)) + (wk - 8) // 4).flatten()
-        if wk.dim() == 4:  # per (block, channel): weighted by the block's tokens in the window
-            start = torch.arange(wk.shape[2], device=wk.device) * BLOCK
-            inside = (start + BLOCK - start.clamp_min(first)).clamp(0, BLOCK)
-            weights = inside.double().view(1, 1, -1, 1).expand(wk.shape).flatten()
-            per_head_k = torch.bincount(k_index, weights, minlength=h * len(WIDTHS)).round().long()
-        else:  # per column: every block token in the window
-            per_head_k = torch.bincount(k_index, minlength=h * len(WIDTHS)) * max(0, store.n_full - first)
-        per_head_v = torch.bincount((heads.view(1, h, 1) + (wv - 8) // 4).flatten(), minlength=h * len(WIDTHS))
-        per_head_k, per_head_v = per_head_k.view(h, -1), per_head_v.view(h, -1) * d  # on the device until counted
+        per_head_k, per_head_v = head_width_counts(wk, wv, store.first_visible, store.n_full)
+        per_head_v = per_head_v * d  # on the device until counted
         # metadata read each step: the per-channel max |K| (fp16), one exponent byte per block channel of keys
         # (AlignedKV+) and of values (the block rule)
         meta_k = 16 * b * h * d + (8 * store.k_exp.numel() if store.k_exp is not None else 0)
