@@ -139,9 +139,19 @@ template <int WB, bool TINY = true>
     // Each 4 bytes of a nibble plane (8 elements) zero-extended into a qword, then one multishift puts
     // element k's nibble (bits 4k..4k+3) into byte k: B's at bits 4k-4.. (its nibble in the byte's high
     // half; the byte of element 0 wraps into the qword's zero top), C's at bits 4k.. (in the low half).
-    // Why: 2 ops a plane where the shifts below take 4, and the key pass is as much compute as memory.
-    const __m512i bq = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-    low = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x1814100c0804003c), bq);
+    // Why: 2 ops a plane where the shifts below take 4, and the key pass is partly compute-bound.
+    auto spread = [](const uint8_t* p, int64_t offsets) {
+      const __m512i q = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      return _mm512_multishift_epi64_epi8(_mm512_set1_epi64(offsets), q);
+    };
+    low = spread(b, 0x1814100c0804003c);
+#else
+    // byte j of a nibble plane zero-extended into word j: the even element's nibble shifted up into the low
+    // byte's high half, the odd one's into the high byte's high half (0x00f0 ? bw << 4 : bw << 8, bitwise)
+    const __m512i bw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    low = _mm512_ternarylogic_epi32(_mm512_slli_epi16(bw, 4), _mm512_slli_epi16(bw, 8), _mm512_set1_epi16(0x00f0), 0xe4);
+#endif
+    // each byte's high half now holds its element's B nibble (the low half is not yet defined)
     if constexpr (WB == 12) {
       if constexpr (TINY) {  // the fill only where plane A's magnitude bits or the B nibble are not 0
         low = _mm512_and_si512(low, _mm512_set1_epi8(char(0xf0)));
@@ -151,29 +161,14 @@ template <int WB, bool TINY = true>
         low = _mm512_ternarylogic_epi32(low, _mm512_set1_epi8(char(0xf0)), _mm512_set1_epi8(0x08), 0xea);  // low & 0xf0 | 0x08
       }
     } else {
-      const __m512i cq = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
-      const __m512i cn = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x1c1814100c080400), cq);
-      low = _mm512_ternarylogic_epi32(low, cn, _mm512_set1_epi8(char(0xf0)), 0xe4);  // 0xf0 ? low : cn
-    }
-#else
-    // byte j of a nibble plane zero-extended into word j: the even element's nibble shifted up into the low
-    // byte's high half, the odd one's into the high byte's high half (0x00f0 ? bw << 4 : bw << 8, bitwise)
-    const __m512i bw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-    low = _mm512_ternarylogic_epi32(_mm512_slli_epi16(bw, 4), _mm512_slli_epi16(bw, 8), _mm512_set1_epi16(0x00f0), 0xe4);
-    if constexpr (WB == 12) {
-      if constexpr (TINY) {  // the fill only where plane A's magnitude bits or the B nibble are not 0
-        low = _mm512_and_si512(low, _mm512_set1_epi8(char(0xf0)));
-        const __m512i kept = _mm512_ternarylogic_epi32(av, _mm512_set1_epi8(0x7f), low, 0xea);  // (a & 0x7f) | low
-        low = _mm512_or_si512(low, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(kept, kept), _mm512_set1_epi8(0x08)));
-      } else {
-        low = _mm512_ternarylogic_epi32(low, _mm512_set1_epi8(char(0xf0)), _mm512_set1_epi8(0x08), 0xea);  // low & 0xf0 | 0x08
-      }
-    } else {  // C: the even element's low nibble in place, the odd one's high nibble shifted right
+#if defined(__AVX512VBMI__)
+      const __m512i cn = spread(c, 0x1c1814100c080400);
+#else  // C: the even element's low nibble in place, the odd one's high nibble shifted right
       const __m512i cw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
       const __m512i cn = _mm512_ternarylogic_epi32(cw, _mm512_slli_epi16(cw, 4), _mm512_set1_epi16(0x00ff), 0xe4);
+#endif
       low = _mm512_ternarylogic_epi32(low, cn, _mm512_set1_epi8(char(0xf0)), 0xe4);  // 0xf0 ? low : cn
     }
-#endif
   }
   const __m512i w0 = _mm512_unpacklo_epi8(low, av), w1 = _mm512_unpackhi_epi8(low, av);
   out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(w0));
