@@ -125,8 +125,9 @@ template <int WB, bool TINY = true>
 // sum does not care (a channel's key tokens scored into per-token sums, a value row added into per-channel
 // sums) keeps that order until its results are written. Why: each nibble plane is spread to its 64
 // elements' low bytes by one zero-extension and a multishift (AVX512-VBMI; else two shifts and a bitwise
-// select), the low bytes are interleaved with plane A by two unpacks, and every vector op covers 64 elements; planes16 spends ~10 vector ops on 16, so a
-// 12-bit read cost more than a 16-bit fp16 load (kernels_cpu/README.md).
+// select), the low bytes are interleaved with plane A by two unpacks, and every vector op covers 64
+// elements; planes16 spends ~10 vector ops on 16, so a 12-bit read cost more than a 16-bit fp16 load
+// (kernels_cpu/README.md).
 template <int WB, bool TINY = true>
 [[gnu::always_inline]] inline void planes64(const uint8_t* a, const uint8_t* b, const uint8_t* c, vf* out) {
   const __m512i av = _mm512_loadu_si512(a);
@@ -139,7 +140,7 @@ template <int WB, bool TINY = true>
     // Each 4 bytes of a nibble plane (8 elements) zero-extended into a qword, then one multishift puts
     // element k's nibble (bits 4k..4k+3) into byte k: B's at bits 4k-4.. (its nibble in the byte's high
     // half; the byte of element 0 wraps into the qword's zero top), C's at bits 4k.. (in the low half).
-    // Why: 2 ops a plane where the shifts below take 4, and the key pass is partly compute-bound.
+    // Why: 2 ops a plane where the shifts below take 4.
     auto spread = [](const uint8_t* p, int64_t offsets) {
       const __m512i q = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
       return _mm512_multishift_epi64_epi8(_mm512_set1_epi64(offsets), q);

@@ -565,17 +565,19 @@ def test_a_whole_prompt_without_a_mask_is_causal_for_the_rules(stories, monkeypa
     assert stats["cpu"] == stats["torch"] and stats["cpu"]["bits_read"] < 16.0
 
 
+@pytest.mark.parametrize("in_numpy", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("blockwise", [False, True], ids=["per-column", "per-block"])
 @pytest.mark.parametrize("first", [0, 10, 64, 200])
-def test_head_width_counts_count_each_heads_reads_in_the_window(blockwise, first):
-    """The bits-read histogram's per-step counts (numpy on CPU tensors): every (key token, channel) of the
-    window ``first..n_full`` and every value token, per KV head and width, counted one by one here."""
+def test_head_width_counts_count_each_heads_reads_in_the_window(blockwise, first, in_numpy):
+    """The bits-read histogram's per-step counts, in numpy (CPU tensors) and in torch ops (other devices, run
+    here on CPU tensors): every (key token, channel) of the window ``first..n_full`` and every value token, per
+    KV head and width, counted one by one here."""
     g = torch.Generator().manual_seed(first + blockwise)
     widths = torch.tensor([8, 12, 16], dtype=torch.int32)
     b, h, nb, d = 2, 3, 4, 16
     wk = widths[torch.randint(0, 3, (b, h, nb, d) if blockwise else (b, h, d), generator=g)]
     wv = widths[torch.randint(0, 3, (b, h, nb * 64), generator=g)]
-    per_k, per_v = head_width_counts(wk, wv, first, nb * 64)
+    per_k, per_v = head_width_counts(wk, wv, first, nb * 64, in_numpy=in_numpy)
     want_k, want_v = torch.zeros(h, 3, dtype=torch.int64), torch.zeros(h, 3, dtype=torch.int64)
     for i in range(b):
         for j in range(h):

@@ -32,14 +32,17 @@ from kvquant.formats.planes import BLOCK, WIDTHS, AlignedRule, PlaneStore, align
 from kvquant.methods.base import KVMethod, register_method
 
 
-def head_width_counts(wk: torch.Tensor, wv: torch.Tensor, first: int, n_full: int) -> tuple[torch.Tensor, torch.Tensor]:
+def head_width_counts(
+    wk: torch.Tensor, wv: torch.Tensor, first: int, n_full: int, in_numpy: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per KV head, how many (key token, channel) and value tokens of the window ``first..n_full`` were read at
     each of ``WIDTHS``: int64 ``[H, 3]`` each, on ``wk``'s device. ``wk``: ``[B, H, D]`` per column or
-    ``[B, H, nb, D]`` per (block, column); ``wv``: ``[B, H, n]``. CPU tensors are counted in numpy: the same
-    integers with less overhead per op than torch's small ops (a decode step counts every layer)."""
+    ``[B, H, nb, D]`` per (block, column); ``wv``: ``[B, H, n]``. Counted in numpy where both are CPU tensors
+    (``in_numpy`` None; the same integers with less overhead per op than torch's small ops, and a decode step
+    counts every layer), else in torch ops on their device (no sync per step)."""
     n = len(WIDTHS)
     h = wk.shape[1]
-    cpu = wk.device.type == "cpu" and wv.device.type == "cpu"
+    cpu = in_numpy if in_numpy is not None else wk.device.type == "cpu" and wv.device.type == "cpu"
     xp, k, v = (np, wk.numpy(), wv.numpy()) if cpu else (torch, wk, wv)
     heads = (np.arange(h, dtype=np.int64) if cpu else torch.arange(h, device=wk.device)) * n
     k_index = (heads.reshape(1, h, *[1] * (k.ndim - 2)) + (k >> 2) - 2).reshape(-1)  # 8/12/16 -> 0/1/2
