@@ -21,7 +21,9 @@ from kernels_cpu.ops import (
     attend_kivi,
     attend_planes,
     exponent_gaps,
+    key_widths,
     read_plane_keys,
+    width_counts,
 )
 
 __all__ = [
@@ -39,6 +41,8 @@ __all__ = [
     "build",
     "build_dir",
     "exponent_gaps",
+    "key_widths",
     "read_plane_keys",
     "status",
+    "width_counts",
 ]

@@ -370,6 +370,76 @@ at::Tensor exponent_gaps(const at::Tensor& e_o, const at::Tensor& v_high) {
   return planes_exponent_gaps(e_o.data_ptr<int16_t>(), e_o.stride(0), e_o.stride(1), v, B, H, L, int(D));
 }
 
+at::Tensor key_widths(const at::Tensor& q, const at::Tensor& k_absmax, const Opt& k_exp, double t12, double t8) {
+  using namespace kvq;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.stride(3) == 1,
+              "key_widths: q must be float32 [B, Hq, Q, D] with a contiguous last dim, got ", q.scalar_type(), " ",
+              q.sizes());
+  TORCH_CHECK(k_absmax.scalar_type() == at::kHalf && k_absmax.dim() == 3 && k_absmax.size(0) == q.size(0) &&
+                  k_absmax.size(2) == q.size(3) && k_absmax.stride(2) == 1,
+              "key_widths: k_absmax must be float16 [", q.size(0), ", Hkv, ", q.size(3),
+              "] with a contiguous last dim, got ", k_absmax.scalar_type(), " ", k_absmax.sizes());
+  KeyRuleArgs a;
+  a.B = q.size(0);
+  a.H = k_absmax.size(1);
+  a.D = int(q.size(3));
+  TORCH_CHECK(a.H > 0 && q.size(1) % a.H == 0, "key_widths: ", q.size(1), " query heads cannot share ", a.H,
+              " KV heads evenly");
+  a.q = q.data_ptr<float>();
+  a.qb = q.stride(0);
+  a.qh = q.stride(1);
+  a.qt = q.stride(2);
+  a.g = q.size(1) / a.H;
+  a.Q = q.size(2);
+  a.k_absmax = reinterpret_cast<const uint16_t*>(k_absmax.data_ptr<at::Half>());
+  a.kab_b = k_absmax.stride(0);
+  a.kab_h = k_absmax.stride(1);
+  if (k_exp.has_value()) {
+    a.k_exp = plane(*k_exp, "k_exp", a.B, a.H, {a.D});
+    a.per_block = true;
+    a.nb = k_exp->size(2);
+  }
+  a.t12 = float(t12);
+  a.t8 = float(t8);
+  return planes_key_widths(a);
+}
+
+namespace {
+kvq::AnyWidths any_widths(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kByte || w.scalar_type() == at::kInt, "width_counts: ", name,
+              " must be uint8 or int32, got ", w.scalar_type());
+  kvq::AnyWidths a;
+  a.p = static_cast<const uint8_t*>(w.data_ptr());
+  a.i32 = w.scalar_type() == at::kInt;
+  for (int64_t i = 0; i < w.dim(); ++i) a.s[i] = w.stride(i);
+  return a;
+}
+}  // namespace
+
+at::Tensor width_counts(const at::Tensor& wk, const at::Tensor& wv, int64_t first, int64_t n_full) {
+  using namespace kvq;
+  TORCH_CHECK((wk.dim() == 3 || wk.dim() == 4) && wv.dim() == 3 && wv.size(0) == wk.size(0) &&
+                  wv.size(1) == wk.size(1),
+              "width_counts: wk must be [B, H, D] or [B, H, nb, D] and wv [B, H, n], got ", wk.sizes(), " and ",
+              wv.sizes());
+  WidthCountArgs a;
+  a.wk = any_widths(wk, "wk");
+  a.wv = any_widths(wv, "wv");
+  a.B = wk.size(0);
+  a.H = wk.size(1);
+  a.per_block = wk.dim() == 4;
+  a.nbk = a.per_block ? wk.size(2) : 1;
+  a.D = wk.size(wk.dim() - 1);
+  if (!a.per_block) {  // read as [B, H, 1, D]
+    a.wk.s[3] = a.wk.s[2];
+    a.wk.s[2] = 0;
+  }
+  a.nv = wv.size(2);
+  a.first = first;
+  a.n_full = n_full;
+  return planes_width_counts(a);
+}
+
 at::Tensor attend_gear(const at::Tensor& q, const Opt& k_codes, const Opt& k_scale, const Opt& k_zero,
                        const at::Tensor& k_window, const Opt& k_index, const Opt& k_value,
                        const std::vector<int64_t>& k_starts, const std::vector<int64_t>& k_lens,
@@ -742,6 +812,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_aligned", &attend_aligned, "AlignedKV's value rule in fp64 and attention at its widths, one call");
   m.def("aligned_rule_counts", &kvq::aligned_rule_counts, "block-rule items decided from fp32 / fp64 scores");
   m.def("exponent_gaps", &exponent_gaps, "min over channels of e_o - the exponent field of plane A, per token");
+  m.def("key_widths", &key_widths, "AlignedKV's key rule for one step (per column, or per block with k_exp), uint8");
+  m.def("width_counts", &width_counts, "per KV head counts of the widths read in a window, int64 [2, H, 3]");
   m.def("read_plane_keys", &read_plane_keys, "AlignedKV's keys read at given widths, as fp32 [B, Hkv, L, D]");
   m.attr("avx512") = bool(KVQ_AVX512);
 }

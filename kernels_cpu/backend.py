@@ -18,7 +18,7 @@ from kernels_cpu.loader import status
 from kvquant.alignment import high_byte_values
 from kvquant.backends import Backend, register_backend
 from kvquant.formats.base import Reads, causal_allowed
-from kvquant.formats.planes import decide_widths, step_key_widths
+from kvquant.formats.planes import decide_widths
 
 __all__ = ["FORMATS", "aquakv_encode", "aquakv_reconstruct", "attend", "limits"]
 
@@ -105,18 +105,15 @@ def plane_keys(store: Any, wk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def attend_planes(store: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:
-    """AlignedKV's step: the value rule on fp64 scores and the attention in one C++ call (the key widths
-    are a few integer ops in torch). Where that call cannot stand in for the torch rule exactly — a bf16
-    query (the rule reads keys in the query's dtype), a sliding view, or scores too large to hold — the
-    torch rule decides (keys and exponent gaps read in C++, the same bits) and ``attend_planes`` reads.
-    A multi-token step without a mask (a prompt run whole) is causal: the fused call gets it spelled out."""
+    """AlignedKV's step: the key rule, then the value rule on fp64 scores and the attention, one C++ call each
+    (the bits-read histogram's per-head counts a third). Where the fused call cannot stand in for the torch
+    rule exactly — a bf16 query (the rule reads keys in the query's dtype), a sliding view, or scores too
+    large to hold — the torch rule decides (keys and exponent gaps read in C++, the same bits) and
+    ``attend_planes`` reads. A multi-token step without a mask (a prompt run whole) is causal: the fused call
+    gets it spelled out."""
     q_rows = query.shape[1] * query.shape[2]
-    n = store.n_tokens
-    fused = (
-        query.dtype in (torch.float32, torch.float16)
-        and store.first_visible == 0
-        and 8 * q_rows * n <= FUSED_SCORE_BYTES
-    )
+    n, first = store.n_tokens, store.first_visible
+    fused = query.dtype in (torch.float32, torch.float16) and first == 0 and 8 * q_rows * n <= FUSED_SCORE_BYTES
     if not fused:
         _, wk, wv = decide_widths(store, rule, query, mask, scaling, plane_keys, ops.exponent_gaps)
         out = ops.attend_planes(
@@ -128,10 +125,11 @@ def attend_planes(store: Any, rule: Any, query: torch.Tensor, mask, scaling: flo
             scaling=scaling,
             causal=_causal(mask, query),
         )
-        return out, Reads(wk, wv)
+        return out, Reads(wk, wv, ops.width_counts(wk, wv, first, store.n_full))
     if _causal(mask, query):  # the kernel's rule reads no causal limit
         mask = causal_allowed(query.shape[2], n, query.device)
-    wk = step_key_widths(store, rule, query)
+    blocks = store.k_exp if rule.blockwise else None
+    wk = ops.key_widths(query, store.k_absmax, rule.k_tiers(query.shape[-1]), blocks)
     out, wv = ops.attend_aligned(
         query,
         store,
@@ -144,7 +142,7 @@ def attend_planes(store: Any, rule: Any, query: torch.Tensor, mask, scaling: flo
         mask=mask,
         scaling=scaling,
     )
-    return out, Reads(wk, wv)
+    return out, Reads(wk, wv, ops.width_counts(wk, wv, first, store.n_full))
 
 
 def higgs_tensors(state: Any) -> dict[str, Any]:

@@ -863,6 +863,40 @@ struct AlignedRule {
   int64_t kab_b = 0, kab_h = 0;
   bool exact_scores = false;
 };
+// The key rule of one step (kvquant.alignment.key_widths, or block_key_widths where k_exp is given): q fp32 with
+// its strides ([B, H*g, Q, D]), the running max |K| (fp16 [B, H, D]), AlignedKV+'s block exponent fields
+// (k_exp [B, H, nb, D]) and the tiers. Integer exponent arithmetic, the same widths (uint8).
+struct KeyRuleArgs {
+  const float* q = nullptr;
+  int64_t qb = 0, qh = 0, qt = 0, g = 1, Q = 1;
+  const uint16_t* k_absmax = nullptr;
+  int64_t kab_b = 0, kab_h = 0;
+  Bytes k_exp;  // per_block: nb blocks of fields
+  bool per_block = false;
+  int64_t B = 0, H = 0, nb = 0;
+  int D = 0;
+  float t12 = 0, t8 = 0;
+};
+at::Tensor planes_key_widths(const KeyRuleArgs& a);
+// Widths as uint8 or int32 (the torch rules' dtype), any strides: width(i0, i1, i2, i3).
+struct AnyWidths {
+  const uint8_t* p = nullptr;
+  bool i32 = false;
+  int64_t s[4] = {};
+  int32_t operator()(int64_t a, int64_t b, int64_t c, int64_t d = 0) const {
+    const int64_t at = a * s[0] + b * s[1] + c * s[2] + d * s[3];
+    return i32 ? reinterpret_cast<const int32_t*>(p)[at] : p[at];
+  }
+};
+// kvquant.methods.alignedkv.head_width_counts: per KV head how many (key token, channel) and value tokens of the
+// window first..n_full were read at 8 / 12 / 16 bits, int64 [2, H, 3]. wk(b, h, j, c) over nbk blocks (per_block
+// false: nbk 1, one width per column), wv(b, h, t) over nv tokens.
+struct WidthCountArgs {
+  AnyWidths wk, wv;
+  int64_t B = 0, H = 0, D = 0, nbk = 1, nv = 0, first = 0, n_full = 0;
+  bool per_block = false;
+};
+at::Tensor planes_width_counts(const WidthCountArgs& a);
 std::pair<int64_t, int64_t> aligned_rule_counts();
 std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P, const AlignedRule& rule);
 at::Tensor planes_exponent_gaps(const int16_t* e_o, int64_t eb, int64_t eh, const Bytes& v, int64_t B, int64_t H,

@@ -164,6 +164,27 @@ def aligned_rule_counts() -> tuple[int, int]:
     return int(fast), int(exact)
 
 
+def key_widths(
+    q: torch.Tensor, k_absmax: torch.Tensor, thresholds: tuple[float, float], k_exp: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``kvquant.alignment.key_widths`` (``k_exp`` None: per column, ``[B, Hkv, D]``) or ``block_key_widths``
+    (AlignedKV+'s block exponent fields ``k_exp`` uint8 ``[B, Hkv, nb, D]``: ``[B, Hkv, nb, D]``) in one call,
+    the same widths as uint8 (what the plane kernels take). Why: the torch rule is a dozen small ops a layer
+    and step, several times the C++ loop's time at a decode step's sizes. ``q`` fp32, fp16 or bf16 (exact in fp32;
+    the torch rule reads fp64 queries in fp64)."""
+    if q.dtype == torch.float64:
+        raise ValueError("key_widths: an fp64 query would be rounded to fp32 here; use kvquant.alignment.key_widths")
+    return module().key_widths(_query(q), k_absmax, k_exp, float(thresholds[0]), float(thresholds[1]))
+
+
+def width_counts(wk: torch.Tensor, wv: torch.Tensor, first: int, n_full: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kvquant.methods.alignedkv.head_width_counts`` in one pass over the widths (uint8 or int32): per KV head
+    the (key token, channel) and value-token counts of the window ``first..n_full`` at 8 / 12 / 16 bits, int64
+    ``[H, 3]`` each, the same integers."""
+    counts = module().width_counts(wk, wv, int(first), int(n_full))
+    return counts[0], counts[1]
+
+
 def read_plane_keys(
     k_a: torch.Tensor | None,
     k_b: torch.Tensor | None,

@@ -1279,4 +1279,108 @@ at::Tensor planes_exponent_gaps(const int16_t* e_o, int64_t eb, int64_t eh, cons
   return out;
 }
 
+namespace {
+
+// kvquant.bits.floor_log2 of an fp32 value as torch computes it: frexp's exponent - 1, ZERO_EXPONENT for 0, and
+// -1 where torch's frexp gives exponent 0 to inf and NaN.
+int32_t floor_log2_f32(float x) {
+  if (x == 0.0f) return ZERO_EXPONENT;
+  if (!std::isfinite(x)) return -1;
+  int e;
+  std::frexp(x, &e);
+  return e - 1;
+}
+
+uint8_t width_of_gap(int32_t gap, float t12, float t8) {
+  const float g = float(gap);  // torch compares the int32 gap with a Python float in fp32
+  return g >= t8 ? 8 : g >= t12 ? 12 : 16;
+}
+
+}  // namespace
+
+at::Tensor planes_key_widths(const KeyRuleArgs& a) {
+  const int D = a.D;
+  auto out = at::empty(a.per_block ? at::IntArrayRef{a.B, a.H, a.nb, D} : at::IntArrayRef{a.B, a.H, D}, at::kByte);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  std::vector<int32_t> e_q(D), p(D);
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t h = 0; h < a.H; ++h) {
+      int32_t top = std::numeric_limits<int32_t>::min();
+      for (int c = 0; c < D; ++c) {  // max |q| over the head's query rows, NaN kept (torch's amax)
+        float m = 0.0f;
+        bool nan = false;
+        for (int64_t j = 0; j < a.g; ++j)
+          for (int64_t i = 0; i < a.Q; ++i) {
+            const float x = std::fabs(a.q[b * a.qb + (h * a.g + j) * a.qh + i * a.qt + c]);
+            nan |= std::isnan(x);
+            m = x > m ? x : m;
+          }
+        e_q[c] = floor_log2_f32(nan ? NAN : m);
+        const uint16_t k = a.k_absmax[b * a.kab_b + h * a.kab_h + c];
+        p[c] = e_q[c] + floor_log2_f32(half_to_float(k));
+        top = std::max(top, p[c]);
+      }
+      if (!a.per_block) {
+        for (int c = 0; c < D; ++c) *o++ = width_of_gap(top - p[c], a.t12, a.t8);
+        continue;
+      }
+      for (int64_t j = 0; j < a.nb; ++j) {  // AlignedKV+: each block's exponent field, 0 counted as 1 (2^-15)
+        const uint8_t* field = a.k_exp.at(b, h, j);
+        for (int c = 0; c < D; ++c)
+          *o++ = width_of_gap(top - (e_q[c] + std::max<int32_t>(field[c], 1) - 15), a.t12, a.t8);
+      }
+    }
+  return out;
+}
+
+at::Tensor planes_width_counts(const WidthCountArgs& a) {
+  auto out = at::zeros({2, a.H, 3}, at::kLong);
+  int64_t* k = out.data_ptr<int64_t>();
+  int64_t* v = k + a.H * 3;
+  // Tallied by value, anything but 8, 12 or 16 in slot 0 (an error once counted).
+  for (int64_t h = 0; h < a.H; ++h) {
+    int64_t wk[17] = {}, wv[17] = {};
+    for (int64_t b = 0; b < a.B; ++b) {
+      for (int64_t j = 0; j < a.nbk; ++j) {  // per column (nbk 1): the window's block tokens; per block: its share
+        const int64_t start = j * KB;
+        const int64_t tokens = a.per_block ? std::clamp<int64_t>(start + KB - std::max(start, a.first), 0, KB)
+                                           : std::max<int64_t>(0, a.n_full - a.first);
+        for (int64_t c = 0; c < a.D; ++c) {
+          const int32_t w = a.wk(b, h, j, c);
+          if (w == 8 || w == 12 || w == 16)
+            wk[w] += tokens;
+          else
+            ++wk[0];  // even where the block holds no token of the window
+        }
+      }
+      auto count = [&](const auto* row, int64_t st) {  // three compares a token: vectorized where st is 1
+        int64_t n8 = 0, n12 = 0, n16 = 0;
+        for (int64_t t = 0; t < a.nv; ++t) {
+          const int32_t w = row[t * st];
+          n8 += w == 8;
+          n12 += w == 12;
+          n16 += w == 16;
+        }
+        wv[8] += n8;
+        wv[12] += n12;
+        wv[16] += n16;
+        wv[0] += a.nv - n8 - n12 - n16;
+      };
+      const int64_t at = b * a.wv.s[0] + h * a.wv.s[1];
+      if (a.wv.i32)
+        count(reinterpret_cast<const int32_t*>(a.wv.p) + at, a.wv.s[2]);
+      else
+        count(a.wv.p + at, a.wv.s[2]);
+    }
+    for (int i = 0; i < 17; ++i)
+      TORCH_CHECK((i == 8 || i == 12 || i == 16) || (wk[i] == 0 && wv[i] == 0),
+                  "width_counts: widths must be 8, 12 or 16");
+    for (int w = 0; w < 3; ++w) {
+      k[h * 3 + w] = wk[8 + 4 * w];
+      v[h * 3 + w] = wv[8 + 4 * w];
+    }
+  }
+  return out;
+}
+
 }  // namespace kvq

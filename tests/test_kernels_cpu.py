@@ -9,6 +9,7 @@ yet (about 1.5 min on 2 cores); if the build fails, every kernel test is skipped
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -16,6 +17,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kernels_cpu
 from kernels_cpu import loader
@@ -507,6 +510,68 @@ def test_rule_helpers_equal_the_torch_code_bit_for_bit(built, threads, shape):
         v_high = store.value_high_bytes()
         e_o = torch.randint(-40, 40, (b, hkv, d), dtype=torch.int16, generator=torch.Generator().manual_seed(5))
         assert torch.equal(kernels_cpu.exponent_gaps(e_o, v_high), exponent_gaps(e_o, v_high))
+
+
+# Query magnitudes for the key rule: zeros, fp32 subnormals, powers of two and their neighbours (an exponent's
+# edges), ordinary values, inf and NaN (torch's frexp gives both exponent 0).
+KEY_RULE_Q = st.one_of(
+    st.sampled_from([0.0, -0.0, 1e-42, 2.0**-126, 1.0, 2.0, 0.99999994, 65504.0, float("inf"), float("nan")]),
+    st.floats(min_value=-1e6, max_value=1e6, width=32),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    shape=st.sampled_from([(1, 1, 1, 1, 8), (2, 3, 3, 1, 16), (1, 2, 4, 3, 8), (2, 1, 2, 2, 24)]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    tiers=st.sampled_from([(4.0, 8.0), (4.5, 8.2), (3.0, 3.0), (4.0, float("inf")), (5.0000001, 8.0)]),
+    nb=st.integers(0, 3),
+)
+def test_key_widths_equal_the_torch_key_rule(built, data, shape, dtype, tiers, nb):
+    """``key_widths`` is ``kvquant.alignment.key_widths`` (per column) and ``block_key_widths`` (AlignedKV+'s
+    block exponent fields) to the integer: over exponent edges, zeros, subnormals, inf/NaN queries, zero and
+    subnormal ``max |K|``, GQA and multi-query steps, fp32/fp16/bf16 queries and fractional thresholds."""
+    from kvquant.alignment import block_key_widths, key_widths
+
+    b, hkv, g, q_len, d = shape
+
+    def drawn(elements, *dims: int) -> torch.Tensor:
+        n = math.prod(dims)
+        return torch.tensor(data.draw(st.lists(elements, min_size=n, max_size=n)), dtype=torch.float64).view(dims)
+
+    q = drawn(KEY_RULE_Q, b, hkv * g, q_len, d).float().to(dtype)
+    absmax = st.sampled_from([0.0, 6e-8, 6.1e-5, 0.5, 1.0, 3.0, 65504.0]) | st.floats(0, 65504, width=16)
+    k_absmax = drawn(absmax, b, hkv, d).half()
+    k_exp = drawn(st.integers(0, 31), b, hkv, nb, d).to(torch.uint8)
+    got = kernels_cpu.key_widths(q, k_absmax, tiers)
+    assert got.dtype == torch.uint8 and torch.equal(got.int(), key_widths(q, k_absmax, tiers))
+    got = kernels_cpu.key_widths(q, k_absmax, tiers, k_exp)
+    assert got.shape == (b, hkv, nb, d) and torch.equal(got.int(), block_key_widths(q, k_absmax, k_exp, tiers))
+
+
+@pytest.mark.parametrize("blockwise", [False, True], ids=["per-column", "per-block"])
+@pytest.mark.parametrize("first", [0, 10, 64, 200])
+def test_width_counts_equal_head_width_counts(built, blockwise, first):
+    """The bits-read histogram's per-step counts in one C++ pass: ``head_width_counts``' integers (which its
+    own test counts one by one) for int32 and uint8 widths, strided views included; another width is refused."""
+    from kvquant.methods.alignedkv import head_width_counts
+
+    g = torch.Generator().manual_seed(first + blockwise)
+    widths = torch.tensor([8, 12, 16], dtype=torch.int32)
+    b, h, nb, d = 2, 3, 4, 16
+    wk = widths[torch.randint(0, 3, (b, h, nb, d) if blockwise else (b, h, d), generator=g)]
+    wv = widths[torch.randint(0, 3, (b, h, nb * 64 + 7), generator=g)][:, :, 7:]  # a view with an offset
+    want = head_width_counts(wk, wv, first, nb * 64)
+    strided = torch.stack([wk, wk], dim=-1)[..., 0]  # stride 2 along the channels
+    for k, v in ((wk, wv), (wk.to(torch.uint8), wv.to(torch.uint8)), (strided, wv.to(torch.uint8))):
+        got = kernels_cpu.width_counts(k, v, first, nb * 64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    bad_k, bad_v = wk.clone(), wv.clone()
+    bad_k.view(-1)[0], bad_v[0, 0, 3] = 9, 20
+    for k, v in ((bad_k, wv), (wk, bad_v)):
+        with pytest.raises(RuntimeError, match="widths must be 8, 12 or 16"):
+            kernels_cpu.width_counts(k, v, first, nb * 64)
 
 
 @pytest.mark.parametrize("keep", [6, 9, 13, 15, 16])

@@ -65,10 +65,14 @@ class FormatState(ABC):
 class Reads:
     """What one ``attend`` read where a rule chose it per step: AlignedKV's key widths (per channel
     ``[B, Hkv, D]`` or per block and channel ``[B, Hkv, blocks, D]``) and value widths per block token
-    ``[B, Hkv, n]``. ``None`` where the format reads all it holds: its layer counts that from bytes."""
+    ``[B, Hkv, n]``. ``None`` where the format reads all it holds: its layer counts that from bytes.
+    ``counts``: per KV head how many (key token, channel) and value tokens of the step's window each width
+    read (int64 ``[Hkv, 3]`` each, ``kvquant.methods.alignedkv.head_width_counts``' integers), where the
+    backend counted them itself (a C++ pass costs a fraction of the torch or numpy ops a layer and step)."""
 
     k_widths: torch.Tensor | None = None
     v_widths: torch.Tensor | None = None
+    counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 NOTHING_CHOSEN = Reads()

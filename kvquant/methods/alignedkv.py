@@ -164,14 +164,18 @@ class AlignedLayer(KVLayer):
         return stock_attention(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
 
     def record(self, reads: Reads) -> None:
-        self._record(reads.k_widths, reads.v_widths)
+        self._record(reads.k_widths, reads.v_widths, reads.counts)
 
-    def _record(self, wk: torch.Tensor, wv: torch.Tensor) -> None:
-        """Per-head width counts of the tokens this step's attention saw; folded into ``counts()``
-        lazily (no sync per step)."""
+    def _record(
+        self, wk: torch.Tensor, wv: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Per-head width counts of the tokens this step's attention saw (``counts`` where the backend
+        counted them); folded into ``counts()`` lazily (no sync per step)."""
         store = self.store
         b, h, _, d = store.tail_k.shape
-        per_head_k, per_head_v = head_width_counts(wk, wv, store.first_visible, store.n_full)
+        if counts is None:
+            counts = head_width_counts(wk, wv, store.first_visible, store.n_full)
+        per_head_k, per_head_v = counts
         per_head_v = per_head_v * d  # on the device until counted
         # metadata read each step: the per-channel max |K| (fp16), one exponent byte per block channel of keys
         # (AlignedKV+) and of values (the block rule)
