@@ -21,6 +21,7 @@ constexpr int KB = 64;  // tokens per key block (kvquant.alignment.BLOCK)
 constexpr int32_t ZERO_EXPONENT = -1024;      // kvquant.bits.ZERO_EXPONENT: floor_log2 of 0
 constexpr int32_t NO_CONTRIBUTION = 1 << 20;  // kvquant.alignment.NO_CONTRIBUTION: the gap of an unread token
 constexpr int PFB = 2;                        // key blocks prefetched ahead (PF tokens)
+constexpr int PFW = 256;  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
 constexpr int PF1 = 16;  // value rows' plane A also prefetched this many tokens ahead into L1 (its loads then hit L1)
 
 // kvquant.bits.floor_log2 of an fp64 value: the exponent field, frexp only for subnormals.
@@ -661,6 +662,53 @@ inline int16_t least_gap(const int16_t* o, const uint8_t* x, int D) {
 #endif
 }
 
+#if KVQ_AVX512
+// least_gap<true> of 16 consecutive tokens at once (rows of D bytes, stride apart; D a multiple of 64), as int32
+// lanes in token order, for gaps whose offsets o8[c] lie in [-96, 127] (so every o8 - field fits a signed byte).
+// Why: the paper's rule takes a gap per token, and one token's 64-byte vector reduced alone costs a chain of
+// shuffles; 16 of them are reduced together (each level halves the vectors and the bytes per token).
+inline __m512i least_gaps16(const int8_t* o8, const uint8_t* rows, int64_t stride, int D) {
+  __m512i v[16];
+  for (int i = 0; i < 16; ++i) {
+    __m512i m = _mm512_set1_epi8(127);
+    for (int c = 0; c < D; c += 64) {
+      const __m512i x = _mm512_loadu_si512(rows + i * stride + c);
+      const __m512i field = _mm512_and_si512(_mm512_srli_epi16(x, 2), _mm512_set1_epi8(0x1f));
+      m = _mm512_min_epi8(m, _mm512_sub_epi8(_mm512_loadu_si512(o8 + c), field));
+    }
+    v[i] = m;
+  }
+  __m512i u[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i) {  // halves: 256 bits of token 2i, then of 2i+1
+    const __m512i a = v[2 * i], c = v[2 * i + 1];
+    u[i] = _mm512_min_epi8(_mm512_shuffle_i64x2(a, c, 0x44), _mm512_shuffle_i64x2(a, c, 0xee));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: tokens 4i .. 4i+3
+    const __m512i a = u[2 * i], c = u[2 * i + 1];
+    w[i] = _mm512_min_epi8(_mm512_shuffle_i64x2(a, c, 0x88), _mm512_shuffle_i64x2(a, c, 0xdd));
+  }
+  for (int i = 0; i < 2; ++i)  // qwords: tokens 8i + (0, 4, 1, 5, 2, 6, 3, 7)
+    x[i] = _mm512_min_epi8(_mm512_unpacklo_epi64(w[2 * i], w[2 * i + 1]),
+                           _mm512_unpackhi_epi64(w[2 * i], w[2 * i + 1]));
+  const __m512i p = _mm512_min_epi8(x[0], _mm512_srli_epi64(x[0], 32));
+  const __m512i q = _mm512_min_epi8(x[1], _mm512_srli_epi64(x[1], 32));
+  __m512i d = _mm512_mask_blend_epi32(0xaaaa, p, _mm512_slli_epi64(q, 32));  // dwords: x[0]'s, x[1]'s tokens in turn
+  d = _mm512_min_epi8(d, _mm512_srli_epi32(d, 16));
+  d = _mm512_min_epi8(d, _mm512_srli_epi32(d, 8));
+  d = _mm512_srai_epi32(_mm512_slli_epi32(d, 24), 24);  // byte 0 of each dword, sign-extended
+  // dword k holds token (0, 8, 4, 12, 1, 9, 5, 13, 2, 10, 6, 14, 3, 11, 7, 15)[k]: back to token order
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15), d);
+}
+
+// floor_log2 of 8 doubles >= 0, as int32 lanes (ZERO_EXPONENT for 0): getexp is exact for normal and
+// subnormal inputs.
+inline __m256i floor_log2_8(__m512d x) {
+  const __m256i e = _mm512_cvtpd_epi32(_mm512_getexp_pd(x));
+  return _mm256_mask_blend_epi32(_mm512_cmp_pd_mask(x, _mm512_setzero_pd(), _CMP_EQ_OQ), e,
+                                 _mm256_set1_epi32(ZERO_EXPONENT));
+}
+#endif
+
 // Largest of x[t] over the keys with e[t] set (me) and over the rest (ma), for x >= 0 (0 where none).
 inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double& me, double& ma) {
 #if KVQ_AVX512
@@ -781,6 +829,72 @@ struct LinesAhead {
     for (; k > 0 && left > 0; --k, p += 64, left -= 64) __builtin_prefetch(p, 0, 2);
   }
 };
+
+#if KVQ_AVX512
+// rule_from_fp32's width loop for the paper's rule (one width per token), 16 tokens at a time: the gaps by
+// least_gaps16 and each token's largest probability at both ends in vectors, the same widths and the same
+// test (a token whose width differs between the ends sends the item to fp64: false with *undecided). False
+// without writing where it does not apply (D not a multiple of 64, O_est's offsets outside least_gaps16's range).
+inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t b, int64_t h,
+                           const std::vector<int16_t>& o_lo, const std::vector<int16_t>& o_hi, bool one_o,
+                           const double* S, const uint8_t* ex, int64_t L, int64_t R, int D,
+                           const std::vector<double>& hi_e, const std::vector<double>& hi_a,
+                           const std::vector<double>& lo_e, const std::vector<double>& lo_a, uint8_t* wv,
+                           bool* undecided) {
+  *undecided = false;
+  if (D % 64 != 0) return false;
+  alignas(64) int8_t lo8[DMAX], hi8[DMAX];
+  for (int c = 0; c < D; ++c) {
+    if (o_lo[c] < -96 || o_lo[c] > 127 || o_hi[c] < -96 || o_hi[c] > 127) return false;
+    lo8[c] = int8_t(o_lo[c]);
+    hi8[c] = int8_t(o_hi[c]);
+  }
+  const int64_t nv = s.nb * KB;
+  const __m512 t8 = _mm512_set1_ps(rule.t8), t12 = _mm512_set1_ps(rule.t12);
+  auto widths = [&](__m512 gap) {  // 8 / 12 / 16 as int32 lanes
+    const __m512i w = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(gap, t12, _CMP_GE_OQ), _mm512_set1_epi32(16),
+                                              _mm512_set1_epi32(12));
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(gap, t8, _CMP_GE_OQ), w, _mm512_set1_epi32(8));
+  };
+  const float none = float(NO_CONTRIBUTION);
+  const int32_t w_none = none >= rule.t8 ? 8 : none >= rule.t12 ? 12 : 16;
+  for (int64_t t0 = 0; t0 < nv; t0 += 16) {
+    const uint8_t* rows = s.va.at(b, h, t0);
+    if (t0 + PFW + 16 <= nv)  // the rows PFW tokens ahead into L2: without it the loop waited on them
+      for (int i = 0; i < 16; ++i)
+        for (int c = 0; c < D; c += 64) __builtin_prefetch(rows + (PFW + i) * s.va.s2 + c, 0, 2);
+    const __m512i g_lo = least_gaps16(lo8, rows, s.va.s2, D);
+    const __m512i g_hi = one_o ? g_lo : least_gaps16(hi8, rows, s.va.s2, D);
+    __m512d top_hi[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, top_lo[2] = {top_hi[0], top_hi[1]};
+    for (int64_t r = 0; r < R; ++r)  // each token's probability times its kind's factor, the largest over rows
+      for (int k = 0; k < 2; ++k) {
+        const int64_t t = t0 + 8 * k;
+        const __m512d p = _mm512_loadu_pd(S + r * L + t);
+        const __mmask8 exact = marked8(ex + r * L + t, 0xff);
+        const __m512d fh = _mm512_mask_blend_pd(exact, _mm512_set1_pd(hi_a[r]), _mm512_set1_pd(hi_e[r]));
+        const __m512d fl = _mm512_mask_blend_pd(exact, _mm512_set1_pd(lo_a[r]), _mm512_set1_pd(lo_e[r]));
+        top_hi[k] = _mm512_max_pd(top_hi[k], _mm512_mul_pd(p, fh));
+        top_lo[k] = _mm512_max_pd(top_lo[k], _mm512_mul_pd(p, fl));
+      }
+    auto exponents = [](const __m512d* top) {
+      return _mm512_inserti64x4(_mm512_castsi256_si512(floor_log2_8(top[0])), floor_log2_8(top[1]), 1);
+    };
+    const __m512i e_hi = exponents(top_hi), e_lo = exponents(top_lo);
+    const __mmask16 seen = __mmask16(_mm512_cmp_pd_mask(top_hi[0], _mm512_setzero_pd(), _CMP_NEQ_OQ) |
+                                     (_mm512_cmp_pd_mask(top_hi[1], _mm512_setzero_pd(), _CMP_NEQ_OQ) << 8));
+    const __m512i w = widths(_mm512_sub_ps(_mm512_cvtepi32_ps(g_lo), _mm512_cvtepi32_ps(e_hi)));
+    const __m512i narrow = widths(_mm512_sub_ps(_mm512_cvtepi32_ps(g_hi), _mm512_cvtepi32_ps(e_lo)));
+    if (_mm512_mask_cmpneq_epi32_mask(seen, w, narrow)) {
+      *undecided = true;
+      return false;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(wv + t0),
+                     _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(seen, _mm512_set1_epi32(w_none), w)));
+  }
+  widest_per_block(wv, nv, rule.v_block);
+  return true;
+}
+#endif
 
 // Counts of items decided from fp32 scores and of those that needed the fp64 path
 // (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
@@ -981,6 +1095,15 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
   const int64_t span = rule.value_block > 0 ? rule.value_block : 1;  // tokens sharing one width
   const bool one_o = o_lo == o_hi;  // O_est's exponents alike at both ends (the usual case): one gap
+#if KVQ_AVX512
+  if (rule.value_block == 0) {
+    bool undecided = false;
+    if (token_widths16(f.s, rule, b, h, o_lo, o_hi, one_o, S, ex.data(), L, R, D, hi_e, hi_a, lo_e, lo_a, wv,
+                       &undecided))
+      return true;
+    if (undecided) return false;
+  }
+#endif
   for (int64_t t0 = 0; t0 < nv; t0 += span) {
     int16_t g_lo = std::numeric_limits<int16_t>::max(), g_hi = g_lo;
     if (rule.value_block > 0) {  // the block rule: the exponent bytes kept at append

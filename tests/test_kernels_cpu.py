@@ -469,6 +469,45 @@ def test_rule_from_fp32_scores_resolves_tied_and_near_tied_class_leaders(built, 
     assert after[0] - before[0] >= 1  # of hkv items
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("inflate", [0, 6, 14])
+@pytest.mark.parametrize("zero_channel", [False, True], ids=["", "zero-channel"])
+def test_paper_rule_widths_16_tokens_at_a_time_are_the_exact_paths(built, d, inflate, zero_channel):
+    """The paper's rule decided from fp32 scores 16 tokens at a time (AVX-512, head dims that are multiples of 64):
+    the widths of ``exact_scores`` and of the torch rule, whether the bounds decide every token, leave O_est's
+    exponents apart at the two ends, or cannot decide (``k_absmax`` inflated 2^6 and 2^14 times), and where a
+    channel of zeros puts O_est's exponent out of the byte range (the token-by-token loop then decides)."""
+    from kvquant.alignment import block_widths, high_byte_values, value_widths
+    from kvquant.formats.planes import PlaneStore
+    from kvquant.formats.planes import scores as _scores
+
+    hq, hkv, length = {64: (9, 3), 128: (4, 4), 256: (2, 1)}[d] + (64 * 7 + 13,)
+    v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
+    before = kernels_cpu.aligned_rule_counts()
+    for seed, scale, v_block in ((0, 1.0, 1), (1, 2.0**-12, 16)):
+        g = torch.Generator().manual_seed(seed * 100 + d)
+        q = torch.randn(1, hq, 1, d, generator=g) * 2
+        k = torch.randn(1, hkv, length, d, generator=g)
+        v = torch.randn(1, hkv, length, d, generator=g) * scale
+        if zero_channel:
+            v[..., 3] = 0
+        store = PlaneStore()
+        store.append(k.half(), v.half())
+        store.k_absmax = store.k_absmax * 2.0**inflate
+        wk = random_widths(1, hkv, d, seed=seed)
+        kw = dict(k_widths=wk, v8=v8, v_thresholds=(4.0, 8.0), topk=32, v_block=v_block)
+        out, wv = kernels_cpu.attend_aligned(q, store, **kw)
+        exact_out, exact_wv = kernels_cpu.attend_aligned(q, store, exact_scores=True, **kw)
+        scores = _scores(q, store.read_keys(wk, torch.float32), None, d**-0.5, None, torch.float64)
+        paper = value_widths(scores, store.value_high_bytes(), (4.0, 8.0), 32)[:, :, : store.n_full]
+        assert torch.equal(wv, exact_wv) and torch.equal(wv, block_widths(paper, v_block))
+        assert_close(out, exact_out.double())
+    fast, exact = (after - was for after, was in zip(kernels_cpu.aligned_rule_counts(), before, strict=True))
+    # bounds 2^14 times too wide decide nothing, unless a zero channel makes every width 16 at both ends
+    assert fast + exact == 2 * hkv and (exact == 2 * hkv if inflate == 14 and not zero_channel else True)
+    assert fast > 0 or inflate > 0 or d == 256  # D = 256 sums leave bounds too wide here
+
+
 def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
     """All 63,488 finite fp16 patterns as values (31 whole blocks of 32 channels) at 8, 12 and 16 bits,
     each query row seeing one value: the output is that value as the kernel read it, bit for bit; and
