@@ -1274,9 +1274,8 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
       }
     } else {
       for (int64_t t = 0; t < nv; ++t) {  // the gap, then the width (8 / 12 / 16)
-        const uint8_t* row = high(t);
-        int16_t g = std::numeric_limits<int16_t>::max();
-        for (int c = 0; c < D; ++c) g = std::min<int16_t>(g, int16_t(e_o[c] - ((row[c] >> 2) & 0x1f)));
+        if (t + PFW < nv) prefetch_span(high(t + PFW), D);
+        const int16_t g = least_gap<true>(e_o.data(), high(t), D);
         wv[t] = width(smax[t] == 0.0 ? float(NO_CONTRIBUTION) : float(g) - float(score_exponent(t)));
       }
       widest_per_block(wv, nv, rule.v_block);
