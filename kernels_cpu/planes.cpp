@@ -179,10 +179,11 @@ inline void key_group(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp
 
 // block_scores' independent sums per row (each channel goes to one, they are added at the end): as many as
 // the registers hold. Why: fewer FMAs per chain hide their latency, and the rule's fp32 error bound
-// (score_chain) shrinks with the chain. One row (MHA) keeps 2 sets and sums each set's channels in chunks of
-// SCORE_CHUNK, added into the set's total (16 registers): its chain is SCORE_CHUNK + D / 16 + 4 roundings
-// (20 at D = 128, against 36 for 4 sets), so the bound is ~45% narrower and fewer items need fp64.
-constexpr int score_sets(int nr) { return nr <= 3 ? 2 : 1; }
+// (score_chain) shrinks with the chain. Up to 3 rows also sum each set's channels in chunks of SCORE_CHUNK,
+// added into the set's total (16 / 16 / 24 registers for 1 / 2 / 3 rows): one row's chain is
+// SCORE_CHUNK + D / 16 + 4 roundings (20 at D = 128, against 36 for 4 unchunked sets), 3 rows'
+// SCORE_CHUNK + D / 8 + 3 (19 at D = 64, against 35 for 2 sets): narrower bounds, fewer items need fp64.
+constexpr int score_sets(int nr) { return nr == 1 ? 2 : 1; }
 constexpr int SCORE_CHUNK = 8;
 
 #if KVQ_AVX512
@@ -221,15 +222,18 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
       for (int u = 0; u < 4; ++u) sum[r][u] = fma(qc, x[u], sum[r][u]);
     }
   };
-  vf total[NR == 1 ? S : 1][4];  // one row: each set's chunks added here
+  constexpr bool chunked = NR <= 3;
+  vf total[S][chunked ? NR : 1][4];  // each set's chunks added here
   for (auto& t : total)
-    for (auto& x : t) x = zero();
+    for (auto& y : t)
+      for (auto& x : y) x = zero();
   auto chunk_done = [&]() {
     for (int e = 0; e < S; ++e)
-      for (int u = 0; u < 4; ++u) {
-        total[e][u] = add(total[e][u], acc[e][0][u]);
-        acc[e][0][u] = zero();
-      }
+      for (int r = 0; r < (chunked ? NR : 1); ++r)
+        for (int u = 0; u < 4; ++u) {
+          total[e][r][u] = add(total[e][r][u], acc[e][r][u]);
+          acc[e][r][u] = zero();
+        }
   };
   auto group = [&]<int WB>() {  // the group's i-th channel into set i % S
     const int k = (WB - 8) / 4, n = ch.count[k];
@@ -237,17 +241,18 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
 #pragma GCC unroll 4
       for (int e = 0; e < S; ++e)
         if (i + e < n) channel.template operator()<WB>(ch.list[k][i + e], acc[e]);
-      if constexpr (NR == 1)
+      if constexpr (chunked)
         if ((i / S + 1) % SCORE_CHUNK == 0) chunk_done();
     }
-    if constexpr (NR == 1) chunk_done();
+    if constexpr (chunked) chunk_done();
   };
   group.template operator()<8>();
   group.template operator()<12>();
   group.template operator()<16>();
-  if constexpr (NR == 1)
+  if constexpr (chunked)
     for (int e = 0; e < S; ++e)
-      for (int u = 0; u < 4; ++u) acc[e][0][u] = total[e][u];
+      for (int r = 0; r < NR; ++r)
+        for (int u = 0; u < 4; ++u) acc[e][r][u] = total[e][r][u];
   for (int r = 0; r < NR; ++r) {
     vf sum[4];
     for (int u = 0; u < 4; ++u) {
@@ -829,8 +834,10 @@ inline uint64_t near_bits(const double* s, const double* best, int64_t t0, int64
 // dot_channel_group's chains and their sum in order.
 inline int score_chain(int64_t R, int64_t r, int D) {
 #if KVQ_AVX512
-  if (R == 1)  // a chunk's chain, at most D / (2 SCORE_CHUNK) + 3 chunk totals a set (3 width groups), the sets' add
-    return SCORE_CHUNK + D / (2 * SCORE_CHUNK) + 3 + 1;
+  if (R <= 3) {  // a chunk's chain, at most D / (S SCORE_CHUNK) + 3 chunk totals a set (3 width groups), the sets' add
+    const int S = score_sets(int(R));
+    return SCORE_CHUNK + D / (S * SCORE_CHUNK) + 3 + (S - 1);
+  }
   if (R <= 4) {
     const int S = score_sets(int(R));
     return S == 1 ? D : D / S + 2 + 1;
