@@ -170,8 +170,8 @@ def key_widths(
     """``kvquant.alignment.key_widths`` (``k_exp`` None: per column, ``[B, Hkv, D]``) or ``block_key_widths``
     (AlignedKV+'s block exponent fields ``k_exp`` uint8 ``[B, Hkv, nb, D]``: ``[B, Hkv, nb, D]``) in one call,
     the same widths as uint8 (what the plane kernels take). Why: the torch rule is a dozen small ops a layer
-    and step, several times the C++ loop's time at a decode step's sizes. ``q`` fp32, fp16 or bf16 (exact in fp32;
-    the torch rule reads fp64 queries in fp64)."""
+    and step, each with its dispatch overhead. ``q`` fp32, fp16 or bf16 (exact in fp32; the torch rule reads
+    fp64 queries in fp64)."""
     if q.dtype == torch.float64:
         raise ValueError("key_widths: an fp64 query would be rounded to fp32 here; use kvquant.alignment.key_widths")
     return module().key_widths(_query(q), k_absmax, k_exp, float(thresholds[0]), float(thresholds[1]))
