@@ -145,18 +145,40 @@ inline void value_rows_at(int width, const PlaneArgs& s, int64_t b, int64_t h, i
 // channel: the widths of a head vary from channel to channel in no pattern a predictor learns.
 struct KeyChannels {
   const uint8_t* widths = nullptr;  // the widths row these lists were made from
-  int16_t list[3][DMAX];
+  int32_t list[3][DMAX + 16];       // + 16: build's vector stores run past a list's end
   int count[3] = {0, 0, 0};
+  // Per-column widths build once a head; AlignedKV+'s per-block widths once a block, where a scalar loop
+  // (a store-to-load chain through count[k]) cost ~20% of its key pass at 32 x 128: 16 channels a vector.
   void build(const uint8_t* w, int64_t wc, int D) {
     if (w == widths) return;  // per-column widths: one row for every block of the head
     widths = w;
     count[0] = count[1] = count[2] = 0;
-    for (int c = 0; c < D; ++c) {
+    int c = 0;
+#if KVQ_AVX512
+    if (wc == 1)
+      for (; c + 16 <= D; c += 16) {
+        const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c)));
+        const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(c), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
+                                                                                        9, 10, 11, 12, 13, 14, 15));
+        for (int k = 0; k < 3; ++k) {
+          const __mmask16 m = _mm512_cmpeq_epi32_mask(wide, _mm512_set1_epi32(8 + 4 * k));
+          _mm512_storeu_si512(list[k] + count[k], _mm512_maskz_compress_epi32(m, index));
+          count[k] += __builtin_popcount(m);
+        }
+      }
+#endif
+    for (; c < D; ++c) {
       const int k = (w[c * wc] - 8) / 4;  // 8, 12, 16 -> 0, 1, 2 (checked when the call was made)
-      list[k][count[k]++] = int16_t(c);
+      list[k][count[k]++] = c;
     }
   }
 };
+
+inline int widest_of(const uint8_t* w, int64_t wc, int D) {
+  uint8_t m = 8;
+  for (int c = 0; c < D; ++c) m = std::max(m, w[c * wc]);
+  return m;
+}
 
 template <int WB, bool TINY>
 inline void key_channels(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp, const uint8_t* cp, int n,
@@ -190,7 +212,8 @@ constexpr int SCORE_CHUNK = 8;
 // Scores of key block j's 64 tokens for NR (<= 4) rows, d[r*BT + t] = q_r . k_t in fp32: each channel's
 // 64 tokens read once at its width (planes64) and multiplied into every row's sums, which stay in
 // registers in planes64's token order until the end; no buffer. Prefetch: block j + PFB, channel by
-// channel as this block's widths read it (a burst of a whole block's lines measured slower).
+// channel as that block's widths will read it (a burst of a whole block's lines measured slower); with
+// AlignedKV+'s widths per block, this block's widths would miss the planes a wider channel there reads.
 template <int NR, bool TINY>
 void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
                   float* d) {
@@ -199,6 +222,9 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
   const int64_t ahead = j + PFB < s.nb ? PFB : 0;
   const int64_t pa = ahead * s.ka.s2, pb = ahead * s.kb.s2, pc = ahead * s.kc.s2;
   const bool near1 = j + 1 < s.nb;
+  const bool per_block = s.kw.s2 != 0;  // widths per (block, channel): the prefetched blocks' own
+  const uint8_t* w_far = per_block && ahead ? s.kw.at(b, h, j + ahead) : nullptr;
+  const uint8_t* w_next = per_block && near1 ? s.kw.at(b, h, j + 1) : nullptr;
   vf acc[S][NR][4];
   for (int e = 0; e < S; ++e)
     for (int r = 0; r < NR; ++r)
@@ -206,14 +232,16 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
   auto channel = [&]<int WB>(int c, vf(&sum)[NR][4]) {
     const uint8_t *ac = a + c * KB, *bc = bp + c * KB / 2, *cc = cp + c * KB / 2;
     if (ahead) {
+      const int wf = per_block ? w_far[c * s.kw_c] : WB;
       __builtin_prefetch(ac + pa, 0, 2);
-      if (WB > 8) __builtin_prefetch(bc + pb, 0, 2);
-      if (WB > 12) __builtin_prefetch(cc + pc, 0, 2);
+      if (wf > 8) __builtin_prefetch(bc + pb, 0, 2);
+      if (wf > 12) __builtin_prefetch(cc + pc, 0, 2);
     }
     if (near1) {
+      const int wn = per_block ? w_next[c * s.kw_c] : WB;
       __builtin_prefetch(ac + s.ka.s2, 0, 3);
-      if (WB > 8) __builtin_prefetch(bc + s.kb.s2, 0, 3);
-      if (WB > 12) __builtin_prefetch(cc + s.kc.s2, 0, 3);
+      if (wn > 8) __builtin_prefetch(bc + s.kb.s2, 0, 3);
+      if (wn > 12) __builtin_prefetch(cc + s.kc.s2, 0, 3);
     }
     vf x[4];
     planes64<WB, TINY>(ac, bc, cc, x);
@@ -415,11 +443,15 @@ struct PlanesFormat : NoTerms {
     const int64_t j = t0 / KB;
     const int o = int(t0 % KB);
     st.channels.build(s.kw.at(b, h, j), s.kw_c, D);
-    if (j + PFB < s.nb) {  // a quarter of block j + PFB per group: its A plane, and B, C where read
+    if (j + PFB < s.nb) {  // a quarter of block j + PFB per group: its A plane, and B, C where that block reads them
       const int64_t q = int64_t(D) * KB / 4;
+      const int widest = s.kw.s2 != 0                ? widest_of(s.kw.at(b, h, j + PFB), s.kw_c, D)
+                         : st.channels.count[2] != 0 ? 16
+                         : st.channels.count[1] != 0 ? 12
+                                                     : 8;
       prefetch_span(s.ka.at(b, h, j + PFB) + (o / W) * q, q);
-      if (st.channels.count[1] + st.channels.count[2]) prefetch_span(s.kb.at(b, h, j + PFB) + (o / W) * q / 2, q / 2);
-      if (st.channels.count[2]) prefetch_span(s.kc.at(b, h, j + PFB) + (o / W) * q / 2, q / 2);
+      if (widest > 8) prefetch_span(s.kb.at(b, h, j + PFB) + (o / W) * q / 2, q / 2);
+      if (widest > 12) prefetch_span(s.kc.at(b, h, j + PFB) + (o / W) * q / 2, q / 2);
     }
     const uint8_t* a = s.ka.at(b, h, j) + o;
     const uint8_t* bp = s.kb.at(b, h, j) + o / 2;

@@ -32,6 +32,8 @@ With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on 
   scores, then the attention; time / fused fp16) and ``id`` (the byte-proportional ideal, bits / 16);
 - ``bk16``/``bk32``/``bk64``: the block-bound rule (``alignedkv_block``) at that ``v_block``, its whole
   step as ``backend=cpu`` runs it (``attend_aligned`` with ``block_rule``), after its ``bits``: time / fused fp16;
+- ``pb8``/``pb32``: the same with AlignedKV+'s key widths per 64-token block (``alignedkv_plus_block``; its
+  ``v_block`` 8 is the configuration that keeps every greedy token at <= 12.5 bits in README's frontier table);
   ``fp32``: the share of the timed ``st``/``bk`` steps' (head, row) items the rules decided from fp32 scores
   within their error bounds (``kernels_cpu.aligned_rule_counts``; the rest were rescored in fp64).
 
@@ -185,12 +187,16 @@ def bench_row(
 
 V_BLOCKS = (1, 8, 16, 64)
 BLOCK_RULE = (16, 32, 64)  # alignedkv_block's v_block values
+PLUS_BLOCK = (8, 32)  # alignedkv_plus_block's
 SPREAD = 2.5  # standard deviation of the non-sink attention logits
 
 
-def planes_inputs(hq: int, hkv: int, d: int, length: int, value_block: int = 0, seed: int = 0):
+def planes_inputs(
+    hq: int, hkv: int, d: int, length: int, value_block: int = 0, seed: int = 0, block_exponents: bool = False
+):
     """``(q, k, v, store)``: the synthetic K/V (module docstring) in fp16 and as planes (with the block
-    rule's exponent bytes per ``value_block`` tokens where given), and a query; the same for a seed."""
+    rule's exponent bytes per ``value_block`` tokens where given, AlignedKV+'s key block exponents with
+    ``block_exponents``), and a query; the same for a seed."""
     torch.manual_seed(seed)
     from kvquant.formats.planes import PlaneStore
 
@@ -203,16 +209,16 @@ def planes_inputs(hq: int, hkv: int, d: int, length: int, value_block: int = 0, 
     unit = direction / direction.norm(dim=-1, keepdim=True)
     sink = math.log(length) * d**0.5 / (q.view(1, hkv, hq // hkv, d) * unit.unsqueeze(2)).sum(-1).mean(-1)
     k[:, :, :4] = (unit * sink.unsqueeze(-1)).unsqueeze(2)
-    store = PlaneStore(value_block=value_block)
+    store = PlaneStore(value_block=value_block, block_exponents=block_exponents)
     store.append(k.half(), v.half())
     return q, k.half(), v.half(), store
 
 
-def rule_widths(q: torch.Tensor, store, v_block: int, value_rule: str = "token"):
+def rule_widths(q: torch.Tensor, store, v_block: int, value_rule: str = "token", blockwise: bool = False):
     """The rules' widths for one decode step, as the cpu backend's unfused path decides them
     (``kvquant.formats.planes.decide_widths`` with the keys and exponent gaps read in C++)."""
     store.visible = store.n_tokens
-    rule = AlignedRule(v_block=v_block, value_rule=value_rule)
+    rule = AlignedRule(v_block=v_block, value_rule=value_rule, blockwise=blockwise)
     _, wk, wv = decide_widths(store, rule, q, None, q.shape[-1] ** -0.5, plane_keys)
     return wk, wv
 
@@ -256,11 +262,13 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
         fns[f"st{v_block}"] = lambda wk=wk, v_block=v_block: kernels_cpu.attend_aligned(
             q, store, k_widths=wk, v8=v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=v_block
         )
-    for v_block in BLOCK_RULE:  # the block rule: its own store (exponent bytes), the same K/V and query
-        _, _, _, kept = planes_inputs(hq, hkv, d, length, value_block=v_block)
-        wk, wv = rule_widths(q, kept, v_block, "block")
-        bits[f"bk{v_block}"] = bits_read(kept, wk, wv)
-        fns[f"bk{v_block}"] = lambda wk=wk, kept=kept, v_block=v_block: kernels_cpu.attend_aligned(
+    # The block rule: its own store (exponent bytes), the same K/V and query; with AlignedKV+'s key blocks (pb).
+    for name, v_block in [(f"bk{b}", b) for b in BLOCK_RULE] + [(f"pb{b}", b) for b in PLUS_BLOCK]:
+        plus = name.startswith("pb")
+        _, _, _, kept = planes_inputs(hq, hkv, d, length, value_block=v_block, block_exponents=plus)
+        wk, wv = rule_widths(q, kept, v_block, "block", blockwise=plus)
+        bits[name] = bits_read(kept, wk, wv)
+        fns[name] = lambda wk=wk, kept=kept, v_block=v_block: kernels_cpu.attend_aligned(
             q, kept, k_widths=wk, v8=v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=v_block, block_rule=True
         )
     before = kernels_cpu.aligned_rule_counts()
@@ -270,8 +278,8 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
     row = f" {t['fp16']:>7.2f}" + "".join(f" {t[f'u{w}'] / t['fp16']:>5.2f}" for w in (8, 12, 16))
     for b in V_BLOCKS:
         row += f" {bits[b]:>5.2f} {t[f'vb{b}'] / t['fp16']:>5.2f} {t[f'st{b}'] / t['fp16']:>5.2f} {bits[b] / 16:>5.2f}"
-    for b in BLOCK_RULE:
-        row += f" {bits[f'bk{b}']:>5.2f} {t[f'bk{b}'] / t['fp16']:>5.2f}"
+    for name in [f"bk{b}" for b in BLOCK_RULE] + [f"pb{b}" for b in PLUS_BLOCK]:
+        row += f" {bits[name]:>5.2f} {t[name] / t['fp16']:>5.2f}"
     return row + f" {fp32 / max(1, fp32 + fp64):>5.3f}"
 
 
@@ -320,7 +328,8 @@ def higgs_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torch
 def planes_header() -> str:
     head = f"{'shape':<15} {'ctx':>6} {'fp16':>7} {'u8':>5} {'u12':>5} {'u16':>5}"
     head += "".join(f" {'bits':>5} {f'vb{b}':>5} {f'st{b}':>5} {'id':>5}" for b in V_BLOCKS)
-    return head + "".join(f" {'bits':>5} {f'bk{b}':>5}" for b in BLOCK_RULE) + f" {'fp32':>5}"
+    blocks = [f"bk{b}" for b in BLOCK_RULE] + [f"pb{b}" for b in PLUS_BLOCK]
+    return head + "".join(f" {'bits':>5} {name:>5}" for name in blocks) + f" {'fp32':>5}"
 
 
 def main(argv: list[str] | None = None) -> int:
