@@ -209,27 +209,27 @@ constexpr int score_sets(int nr) { return nr == 1 ? 2 : 1; }
 constexpr int SCORE_CHUNK = 8;
 
 #if KVQ_AVX512
-// Scores of key block j's 64 tokens for NR (<= 4) rows, d[r*BT + t] = q_r . k_t in fp32: each channel's
-// 64 tokens read once at its width (planes64) and multiplied into every row's sums, which stay in
-// registers in planes64's token order until the end; no buffer. Prefetch: block j + PFB, channel by
-// channel as that block's widths will read it (a burst of a whole block's lines measured slower); with
-// AlignedKV+'s widths per block, this block's widths would miss the planes a wider channel there reads.
-template <int NR, bool TINY>
-void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
-                  float* d) {
-  constexpr int S = score_sets(NR);
-  const uint8_t *a = s.ka.at(b, h, j), *bp = s.kb.at(b, h, j), *cp = s.kc.at(b, h, j);
-  const int64_t ahead = j + PFB < s.nb ? PFB : 0;
-  const int64_t pa = ahead * s.ka.s2, pb = ahead * s.kb.s2, pc = ahead * s.kc.s2;
-  const bool near1 = j + 1 < s.nb;
-  const bool per_block = s.kw.s2 != 0;  // widths per (block, channel): the prefetched blocks' own
-  const uint8_t* w_far = per_block && ahead ? s.kw.at(b, h, j + ahead) : nullptr;
-  const uint8_t* w_next = per_block && near1 ? s.kw.at(b, h, j + 1) : nullptr;
-  vf acc[S][NR][4];
-  for (int e = 0; e < S; ++e)
-    for (int r = 0; r < NR; ++r)
-      for (int u = 0; u < 4; ++u) acc[e][r][u] = zero();
-  auto channel = [&]<int WB>(int c, vf(&sum)[NR][4]) {
+// A key block's channel as block_scores reads it: its planes' addresses, and a prefetch of the same channel
+// of block j + PFB (into L2) and of block j + 1 (into L1), channel by channel as those blocks' widths will
+// read them (a burst of a whole block's lines measured slower); with AlignedKV+'s widths per block, this
+// block's widths would miss the planes a wider channel there reads.
+struct KeyBlockPlanes {
+  const PlaneArgs& s;
+  const uint8_t *a, *bp, *cp, *w_far = nullptr, *w_next = nullptr;
+  int64_t pa = 0, pb = 0, pc = 0;
+  bool ahead, near1, per_block;
+  KeyBlockPlanes(const PlaneArgs& s, int64_t b, int64_t h, int64_t j)
+      : s(s), a(s.ka.at(b, h, j)), bp(s.kb.at(b, h, j)), cp(s.kc.at(b, h, j)), ahead(j + PFB < s.nb),
+        near1(j + 1 < s.nb), per_block(s.kw.s2 != 0) {
+    if (ahead) {
+      pa = PFB * s.ka.s2, pb = PFB * s.kb.s2, pc = PFB * s.kc.s2;
+      if (per_block) w_far = s.kw.at(b, h, j + PFB);
+    }
+    if (near1 && per_block) w_next = s.kw.at(b, h, j + 1);
+  }
+  // Channel c's 64 tokens at WB bits in planes64's order, after prefetching that channel further on.
+  template <int WB, bool TINY>
+  [[gnu::always_inline]] void read(int c, vf* x) const {
     const uint8_t *ac = a + c * KB, *bc = bp + c * KB / 2, *cc = cp + c * KB / 2;
     if (ahead) {
       const int wf = per_block ? w_far[c * s.kw_c] : WB;
@@ -243,8 +243,25 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
       if (wn > 8) __builtin_prefetch(bc + s.kb.s2, 0, 3);
       if (wn > 12) __builtin_prefetch(cc + s.kc.s2, 0, 3);
     }
-    vf x[4];
     planes64<WB, TINY>(ac, bc, cc, x);
+  }
+};
+
+// Scores of key block j's 64 tokens for NR (<= 4) rows, d[r*BT + t] = q_r . k_t in fp32: each channel's
+// 64 tokens read once at its width (planes64) and multiplied into every row's sums, which stay in
+// registers in planes64's token order until the end; no buffer.
+template <int NR, bool TINY>
+void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
+                  float* d) {
+  constexpr int S = score_sets(NR);
+  const KeyBlockPlanes planes(s, b, h, j);
+  vf acc[S][NR][4];
+  for (int e = 0; e < S; ++e)
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < 4; ++u) acc[e][r][u] = zero();
+  auto channel = [&]<int WB>(int c, vf(&sum)[NR][4]) {
+    vf x[4];
+    planes.read<WB, TINY>(c, x);
     for (int r = 0; r < NR; ++r) {
       const vf qc = set1(q[r][c]);
       for (int u = 0; u < 4; ++u) sum[r][u] = fma(qc, x[u], sum[r][u]);
@@ -292,6 +309,48 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
     order64(sum);
     for (int u = 0; u < 4; ++u) store(d + r * BT + u * W, sum[u], lanes(W));
   }
+}
+
+// The exact path's scores of key block j's 64 tokens for NR (<= 3) rows in fp64, d[r*KB + t] =
+// scaling * q_r . k_t (q: the rows widened to fp64, DMAX apart, each element an FMA's memory broadcast, so
+// 3 rows' 24 sums fit the registers): as block_scores reads the planes, each channel's fp32 elements widened and
+// multiplied into 8 fp64 sums per row (one chain per lane over the head's channels, D + 1 roundings with the
+// scaling; torch's fp64 matmul sums in an order of its own anyway). Why: the 16-token buffer path it
+// replaces took ~2x the fp32 key pass, which every item the fp32 bounds cannot decide pays on top of it.
+template <int NR, bool TINY>
+void block_scores_f64(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const double* q,
+                      double scaling, double* d) {
+  const KeyBlockPlanes planes(s, b, h, j);
+  __m512d acc[NR][8];
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < 8; ++u) acc[r][u] = _mm512_setzero_pd();
+  auto group = [&]<int WB>() {
+    const int k = (WB - 8) / 4;
+    for (int i = 0; i < ch.count[k]; ++i) {
+      const int c = ch.list[k][i];
+      vf x[4];
+      planes.read<WB, TINY>(c, x);
+      for (int u = 0; u < 4; ++u) {
+        const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x[u]));
+        const __m512d hi = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(x[u]), 1)));
+        for (int r = 0; r < NR; ++r) {
+          acc[r][2 * u] = _mm512_fmadd_pd(_mm512_set1_pd(q[r * DMAX + c]), lo, acc[r][2 * u]);
+          acc[r][2 * u + 1] = _mm512_fmadd_pd(_mm512_set1_pd(q[r * DMAX + c]), hi, acc[r][2 * u + 1]);
+        }
+      }
+    }
+  };
+  group.template operator()<8>();
+  group.template operator()<12>();
+  group.template operator()<16>();
+  // planes64's order: vector u's halves hold tokens first[u] .. + 7 and first[u] + 16 .. + 23
+  constexpr int first[4] = {0, 32, 8, 40};
+  const __m512d sc = _mm512_set1_pd(scaling);
+  for (int r = 0; r < NR; ++r)
+    for (int u = 0; u < 4; ++u) {
+      _mm512_storeu_pd(d + r * KB + first[u], _mm512_mul_pd(acc[r][2 * u], sc));
+      _mm512_storeu_pd(d + r * KB + first[u] + 16, _mm512_mul_pd(acc[r][2 * u + 1], sc));
+    }
 }
 
 // acc[r*DMAX + c] += sum_t p[r*BT + t] * v_t[c] over n value rows from t0, all at width WB, for NR (<= 4)
@@ -1232,8 +1291,45 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
   auto st = f.state(P);
   const bool fast = !rule.exact_scores && rule_from_fp32(f, P, rule, b, h, q, moff, S.data(), wv);
   if (!rule.exact_scores) ++(fast ? fast_items : exact_items);
-  alignas(64) double dots[4 * W];
-  for (int64_t t0 = 0; !fast && t0 < L; t0 += SB) {  // logits: exact products, fp64 sums over channels
+  alignas(64) double dots[3 * KB];  // 3 rows of a key block, or 4 of 16 tokens (dot_channels_f64)
+  static_assert(3 * KB >= 4 * W);
+  alignas(64) double qd[4 * DMAX];  // the query rows in fp64, for block_scores_f64
+  auto keep = [&](int64_t r0, int nr, int64_t t0, int n, int stride) {  // masked scores into S
+    for (int r = 0; r < nr; ++r) {
+      double* srow = S.data() + (r0 + r) * L + t0;
+      for (int t = 0; t < n; ++t) {
+        double x = dots[r * stride + t];
+        if (P.has_mask) {
+          const int64_t at = moff[r0 + r] + (t0 + t) * P.mask.st;
+          x = P.mask.b != nullptr ? (P.mask.b[at] ? x : -INFINITY) : x + double(P.mask.f[at]);
+        }
+        srow[t] = x;
+      }
+    }
+  };
+  for (int64_t t0 = 0; !fast && t0 < L;) {  // logits: exact products, fp64 sums over channels
+#if KVQ_AVX512
+    if (t0 < nv && R <= 4) {  // a whole key block (t0 steps through them by KB): 1-3 rows, or 2 + 2
+      if (t0 == 0)
+        for (int64_t r = 0; r < R; ++r) std::copy(q[r], q[r] + D, qd + r * DMAX);
+      st.channels.build(f.s.kw.at(b, h, t0 / KB), f.s.kw_c, D);
+      for (int64_t r0 = 0; r0 < R;) {
+        const int nr = R == 4 ? 2 : int(R);
+        by_row_count(nr, [&]<int NR>() {
+          if constexpr (NR <= 3) {
+            if (f.s.tiny_k)
+              block_scores_f64<NR, true>(f.s, st.channels, b, h, t0 / KB, qd + r0 * DMAX, rule.scaling, dots);
+            else
+              block_scores_f64<NR, false>(f.s, st.channels, b, h, t0 / KB, qd + r0 * DMAX, rule.scaling, dots);
+          }
+        });
+        keep(r0, nr, t0, KB, KB);
+        r0 += nr;
+      }
+      t0 += KB;
+      continue;
+    }
+#endif
     const int n = int(std::min<int64_t>(SB, L - t0));
     const bool by_channel = f.keys(st, b, h, t0, n, D, buf);
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
@@ -1248,18 +1344,9 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
             dots[r * W + t] = acc * rule.scaling;
           }
       }
-      for (int r = 0; r < nr; ++r) {
-        double* srow = S.data() + (r0 + r) * L + t0;
-        for (int t = 0; t < n; ++t) {
-          double x = dots[r * W + t];
-          if (P.has_mask) {
-            const int64_t at = moff[r0 + r] + (t0 + t) * P.mask.st;
-            x = P.mask.b != nullptr ? (P.mask.b[at] ? x : -INFINITY) : x + double(P.mask.f[at]);
-          }
-          srow[t] = x;
-        }
-      }
+      keep(r0, nr, t0, n, W);
     }
+    t0 += n;
   }
   if (!fast) {  // the exact path: softmax, O_est, widths
     for (int64_t r = 0; r < R; ++r) {  // softmax as torch's (exp(x - max), times 1 / sum); no key seen: zeros
