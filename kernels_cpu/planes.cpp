@@ -22,6 +22,7 @@ constexpr int32_t ZERO_EXPONENT = -1024;      // kvquant.bits.ZERO_EXPONENT: flo
 constexpr int32_t NO_CONTRIBUTION = 1 << 20;  // kvquant.alignment.NO_CONTRIBUTION: the gap of an unread token
 constexpr int PFB = 2;                        // key blocks prefetched ahead (PF tokens)
 constexpr int PFW = 256;  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
+constexpr int PFE = 2;    // groups of 16 exponent rows prefetched ahead by the block rule's (block_widths16)
 constexpr int PF1 = 16;  // value rows' plane A also prefetched this many tokens ahead into L1 (its loads then hit L1)
 
 // kvquant.bits.floor_log2 of an fp64 value: the exponent field, frexp only for subnormals.
@@ -174,12 +175,6 @@ struct KeyChannels {
   }
 };
 
-inline int widest_of(const uint8_t* w, int64_t wc, int D) {
-  uint8_t m = 8;
-  for (int c = 0; c < D; ++c) m = std::max(m, w[c * wc]);
-  return m;
-}
-
 template <int WB, bool TINY>
 inline void key_channels(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp, const uint8_t* cp, int n,
                          float* buf) {
@@ -210,38 +205,31 @@ constexpr int SCORE_CHUNK = 8;
 
 #if KVQ_AVX512
 // A key block's channel as block_scores reads it: its planes' addresses, and a prefetch of the same channel
-// of block j + PFB (into L2) and of block j + 1 (into L1), channel by channel as those blocks' widths will
-// read them (a burst of a whole block's lines measured slower); with AlignedKV+'s widths per block, this
-// block's widths would miss the planes a wider channel there reads.
+// of block j + PFB (into L2) and of block j + 1 (into L1) as this block's width reads it (a burst of a whole
+// block's lines measured slower). With AlignedKV+'s widths per block this misses a plane where a later
+// block's channel is wider; looking each one's width up cost more (+8% on its key pass at 32 x 128).
 struct KeyBlockPlanes {
-  const PlaneArgs& s;
-  const uint8_t *a, *bp, *cp, *w_far = nullptr, *w_next = nullptr;
-  int64_t pa = 0, pb = 0, pc = 0;
-  bool ahead, near1, per_block;
+  const uint8_t *a, *bp, *cp;
+  int64_t pa = 0, pb = 0, pc = 0, na, nb, nc;
+  bool ahead, near1;
   KeyBlockPlanes(const PlaneArgs& s, int64_t b, int64_t h, int64_t j)
-      : s(s), a(s.ka.at(b, h, j)), bp(s.kb.at(b, h, j)), cp(s.kc.at(b, h, j)), ahead(j + PFB < s.nb),
-        near1(j + 1 < s.nb), per_block(s.kw.s2 != 0) {
-    if (ahead) {
-      pa = PFB * s.ka.s2, pb = PFB * s.kb.s2, pc = PFB * s.kc.s2;
-      if (per_block) w_far = s.kw.at(b, h, j + PFB);
-    }
-    if (near1 && per_block) w_next = s.kw.at(b, h, j + 1);
+      : a(s.ka.at(b, h, j)), bp(s.kb.at(b, h, j)), cp(s.kc.at(b, h, j)), na(s.ka.s2), nb(s.kb.s2), nc(s.kc.s2),
+        ahead(j + PFB < s.nb), near1(j + 1 < s.nb) {
+    if (ahead) pa = PFB * s.ka.s2, pb = PFB * s.kb.s2, pc = PFB * s.kc.s2;
   }
   // Channel c's 64 tokens at WB bits in planes64's order, after prefetching that channel further on.
   template <int WB, bool TINY>
   [[gnu::always_inline]] void read(int c, vf* x) const {
     const uint8_t *ac = a + c * KB, *bc = bp + c * KB / 2, *cc = cp + c * KB / 2;
     if (ahead) {
-      const int wf = per_block ? w_far[c * s.kw_c] : WB;
       __builtin_prefetch(ac + pa, 0, 2);
-      if (wf > 8) __builtin_prefetch(bc + pb, 0, 2);
-      if (wf > 12) __builtin_prefetch(cc + pc, 0, 2);
+      if (WB > 8) __builtin_prefetch(bc + pb, 0, 2);
+      if (WB > 12) __builtin_prefetch(cc + pc, 0, 2);
     }
     if (near1) {
-      const int wn = per_block ? w_next[c * s.kw_c] : WB;
-      __builtin_prefetch(ac + s.ka.s2, 0, 3);
-      if (wn > 8) __builtin_prefetch(bc + s.kb.s2, 0, 3);
-      if (wn > 12) __builtin_prefetch(cc + s.kc.s2, 0, 3);
+      __builtin_prefetch(ac + na, 0, 3);
+      if (WB > 8) __builtin_prefetch(bc + nb, 0, 3);
+      if (WB > 12) __builtin_prefetch(cc + nc, 0, 3);
     }
     planes64<WB, TINY>(ac, bc, cc, x);
   }
@@ -502,15 +490,11 @@ struct PlanesFormat : NoTerms {
     const int64_t j = t0 / KB;
     const int o = int(t0 % KB);
     st.channels.build(s.kw.at(b, h, j), s.kw_c, D);
-    if (j + PFB < s.nb) {  // a quarter of block j + PFB per group: its A plane, and B, C where that block reads them
+    if (j + PFB < s.nb) {  // a quarter of block j + PFB per group: its A plane, and B, C where read
       const int64_t q = int64_t(D) * KB / 4;
-      const int widest = s.kw.s2 != 0                ? widest_of(s.kw.at(b, h, j + PFB), s.kw_c, D)
-                         : st.channels.count[2] != 0 ? 16
-                         : st.channels.count[1] != 0 ? 12
-                                                     : 8;
       prefetch_span(s.ka.at(b, h, j + PFB) + (o / W) * q, q);
-      if (widest > 8) prefetch_span(s.kb.at(b, h, j + PFB) + (o / W) * q / 2, q / 2);
-      if (widest > 12) prefetch_span(s.kc.at(b, h, j + PFB) + (o / W) * q / 2, q / 2);
+      if (st.channels.count[1] + st.channels.count[2]) prefetch_span(s.kb.at(b, h, j + PFB) + (o / W) * q / 2, q / 2);
+      if (st.channels.count[2]) prefetch_span(s.kc.at(b, h, j + PFB) + (o / W) * q / 2, q / 2);
     }
     const uint8_t* a = s.ka.at(b, h, j) + o;
     const uint8_t* bp = s.kb.at(b, h, j) + o / 2;
@@ -777,17 +761,19 @@ inline int16_t least_gap(const int16_t* o, const uint8_t* x, int D) {
 }
 
 #if KVQ_AVX512
-// least_gap<true> of 16 consecutive tokens at once (rows of D bytes, stride apart; D a multiple of 64), as int32
-// lanes in token order, for gaps whose offsets o8[c] lie in [-96, 127] (so every o8 - field fits a signed byte).
-// Why: the paper's rule takes a gap per token, and one token's 64-byte vector reduced alone costs a chain of
-// shuffles; 16 of them are reduced together (each level halves the vectors and the bytes per token).
+// least_gap<FIELD> of 16 rows at once (D bytes each, stride apart; D a multiple of 64), as int32 lanes in row
+// order, for gaps whose offsets o8[c] lie in [-96, 127] (so every o8 - field fits a signed byte; without FIELD
+// the rows hold exponent fields already, 0..31). Why: the paper's rule takes a gap per token (the block rule
+// per block), and one row's 64-byte vector reduced alone costs a chain of shuffles; 16 of them are reduced
+// together (each level halves the vectors and the bytes per row).
+template <bool FIELD>
 inline __m512i least_gaps16(const int8_t* o8, const uint8_t* rows, int64_t stride, int D) {
   __m512i v[16];
   for (int i = 0; i < 16; ++i) {
     __m512i m = _mm512_set1_epi8(127);
     for (int c = 0; c < D; c += 64) {
       const __m512i x = _mm512_loadu_si512(rows + i * stride + c);
-      const __m512i field = _mm512_and_si512(_mm512_srli_epi16(x, 2), _mm512_set1_epi8(0x1f));
+      const __m512i field = FIELD ? _mm512_and_si512(_mm512_srli_epi16(x, 2), _mm512_set1_epi8(0x1f)) : x;
       m = _mm512_min_epi8(m, _mm512_sub_epi8(_mm512_loadu_si512(o8 + c), field));
     }
     v[i] = m;
@@ -949,6 +935,47 @@ struct LinesAhead {
 };
 
 #if KVQ_AVX512
+// O_est's exponents at both ends as signed bytes for least_gaps16; false where one lies outside its range.
+inline bool gap_offsets8(const std::vector<int16_t>& o_lo, const std::vector<int16_t>& o_hi, int D, int8_t* lo8,
+                         int8_t* hi8) {
+  for (int c = 0; c < D; ++c) {
+    if (o_lo[c] < -96 || o_lo[c] > 127 || o_hi[c] < -96 || o_hi[c] > 127) return false;
+    lo8[c] = int8_t(o_lo[c]);
+    hi8[c] = int8_t(o_hi[c]);
+  }
+  return true;
+}
+
+// The widths of 16 units (tokens, or the block rule's blocks) from their gaps and their largest probabilities
+// at both ends, as the scalar loop of rule_from_fp32 decides them: a unit no key reaches (largest 0) reads
+// as an unread one; false where a unit's width differs between the ends (the item goes to fp64).
+struct Widths16 {
+  __m512 t8, t12;
+  int32_t w_none;
+  explicit Widths16(const AlignedRule& rule) : t8(_mm512_set1_ps(rule.t8)), t12(_mm512_set1_ps(rule.t12)) {
+    const float none = float(NO_CONTRIBUTION);
+    w_none = none >= rule.t8 ? 8 : none >= rule.t12 ? 12 : 16;
+  }
+  __m512i widths(__m512 gap) const {  // 8 / 12 / 16 as int32 lanes
+    const __m512i w = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(gap, t12, _CMP_GE_OQ), _mm512_set1_epi32(16),
+                                              _mm512_set1_epi32(12));
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(gap, t8, _CMP_GE_OQ), w, _mm512_set1_epi32(8));
+  }
+  bool operator()(__m512i g_lo, __m512i g_hi, const __m512d* top_hi, const __m512d* top_lo, __m128i* out) const {
+    auto exponents = [](const __m512d* top) {
+      return _mm512_inserti64x4(_mm512_castsi256_si512(floor_log2_8(top[0])), floor_log2_8(top[1]), 1);
+    };
+    const __m512i e_hi = exponents(top_hi), e_lo = exponents(top_lo);
+    const __mmask16 seen = __mmask16(_mm512_cmp_pd_mask(top_hi[0], _mm512_setzero_pd(), _CMP_NEQ_OQ) |
+                                     (_mm512_cmp_pd_mask(top_hi[1], _mm512_setzero_pd(), _CMP_NEQ_OQ) << 8));
+    const __m512i w = widths(_mm512_sub_ps(_mm512_cvtepi32_ps(g_lo), _mm512_cvtepi32_ps(e_hi)));
+    const __m512i narrow = widths(_mm512_sub_ps(_mm512_cvtepi32_ps(g_hi), _mm512_cvtepi32_ps(e_lo)));
+    if (_mm512_mask_cmpneq_epi32_mask(seen, w, narrow)) return false;
+    *out = _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(seen, _mm512_set1_epi32(w_none), w));
+    return true;
+  }
+};
+
 // rule_from_fp32's width loop for the paper's rule (one width per token), 16 tokens at a time: the gaps by
 // least_gaps16 and each token's largest probability at both ends in vectors, the same widths and the same
 // test (a token whose width differs between the ends sends the item to fp64: false with *undecided). False
@@ -960,29 +987,17 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
                            const std::vector<double>& lo_e, const std::vector<double>& lo_a, uint8_t* wv,
                            bool* undecided) {
   *undecided = false;
-  if (D % 64 != 0) return false;
   alignas(64) int8_t lo8[DMAX], hi8[DMAX];
-  for (int c = 0; c < D; ++c) {
-    if (o_lo[c] < -96 || o_lo[c] > 127 || o_hi[c] < -96 || o_hi[c] > 127) return false;
-    lo8[c] = int8_t(o_lo[c]);
-    hi8[c] = int8_t(o_hi[c]);
-  }
+  if (D % 64 != 0 || !gap_offsets8(o_lo, o_hi, D, lo8, hi8)) return false;
   const int64_t nv = s.nb * KB;
-  const __m512 t8 = _mm512_set1_ps(rule.t8), t12 = _mm512_set1_ps(rule.t12);
-  auto widths = [&](__m512 gap) {  // 8 / 12 / 16 as int32 lanes
-    const __m512i w = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(gap, t12, _CMP_GE_OQ), _mm512_set1_epi32(16),
-                                              _mm512_set1_epi32(12));
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(gap, t8, _CMP_GE_OQ), w, _mm512_set1_epi32(8));
-  };
-  const float none = float(NO_CONTRIBUTION);
-  const int32_t w_none = none >= rule.t8 ? 8 : none >= rule.t12 ? 12 : 16;
+  const Widths16 decide(rule);
   for (int64_t t0 = 0; t0 < nv; t0 += 16) {
     const uint8_t* rows = s.va.at(b, h, t0);
     if (t0 + PFW + 16 <= nv)  // the rows PFW tokens ahead into L2: without it the loop waited on them
       for (int i = 0; i < 16; ++i)
         for (int c = 0; c < D; c += 64) __builtin_prefetch(rows + (PFW + i) * s.va.s2 + c, 0, 2);
-    const __m512i g_lo = least_gaps16(lo8, rows, s.va.s2, D);
-    const __m512i g_hi = one_o ? g_lo : least_gaps16(hi8, rows, s.va.s2, D);
+    const __m512i g_lo = least_gaps16<true>(lo8, rows, s.va.s2, D);
+    const __m512i g_hi = one_o ? g_lo : least_gaps16<true>(hi8, rows, s.va.s2, D);
     __m512d top_hi[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, top_lo[2] = {top_hi[0], top_hi[1]};
     for (int64_t r = 0; r < R; ++r)  // each token's probability times its kind's factor, the largest over rows
       for (int k = 0; k < 2; ++k) {
@@ -994,23 +1009,72 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
         top_hi[k] = _mm512_max_pd(top_hi[k], _mm512_mul_pd(p, fh));
         top_lo[k] = _mm512_max_pd(top_lo[k], _mm512_mul_pd(p, fl));
       }
-    auto exponents = [](const __m512d* top) {
-      return _mm512_inserti64x4(_mm512_castsi256_si512(floor_log2_8(top[0])), floor_log2_8(top[1]), 1);
-    };
-    const __m512i e_hi = exponents(top_hi), e_lo = exponents(top_lo);
-    const __mmask16 seen = __mmask16(_mm512_cmp_pd_mask(top_hi[0], _mm512_setzero_pd(), _CMP_NEQ_OQ) |
-                                     (_mm512_cmp_pd_mask(top_hi[1], _mm512_setzero_pd(), _CMP_NEQ_OQ) << 8));
-    const __m512i w = widths(_mm512_sub_ps(_mm512_cvtepi32_ps(g_lo), _mm512_cvtepi32_ps(e_hi)));
-    const __m512i narrow = widths(_mm512_sub_ps(_mm512_cvtepi32_ps(g_hi), _mm512_cvtepi32_ps(e_lo)));
-    if (_mm512_mask_cmpneq_epi32_mask(seen, w, narrow)) {
+    __m128i w;
+    if (!decide(g_lo, g_hi, top_hi, top_lo, &w)) {
       *undecided = true;
       return false;
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(wv + t0),
-                     _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(seen, _mm512_set1_epi32(w_none), w)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(wv + t0), w);
   }
   widest_per_block(wv, nv, rule.v_block);
   return true;
+}
+
+// The largest of each of 8 vectors' 8 doubles, as lane i for vector i: pairs of vectors halved and merged
+// by 256-bit, 128-bit and 64-bit shuffles (as least_gaps16 reduces bytes), then put back in order.
+inline __m512d lane_maxima8(const __m512d* v) {
+  __m512d m[4], n[2];
+  for (int i = 0; i < 4; ++i)  // 256-bit halves: vector 2i's 4 partial maxima, then 2i+1's
+    m[i] = _mm512_max_pd(_mm512_shuffle_f64x2(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f64x2(v[2 * i], v[2 * i + 1], 0xee));
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: vectors 4i .. 4i+3, 2 partial maxima each
+    n[i] = _mm512_max_pd(_mm512_shuffle_f64x2(m[2 * i], m[2 * i + 1], 0x88),
+                         _mm512_shuffle_f64x2(m[2 * i], m[2 * i + 1], 0xdd));
+  // lanes: vectors (0, 4, 1, 5, 2, 6, 3, 7)
+  const __m512d x = _mm512_max_pd(_mm512_unpacklo_pd(n[0], n[1]), _mm512_unpackhi_pd(n[0], n[1]));
+  return _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), x);
+}
+
+// The block rule's width loop in rule_from_fp32 for 16 blocks from token t0 (v_block a multiple of 8, D of 64,
+// gap offsets by gap_offsets8): the gaps of their exponent bytes by least_gaps16 and each block's largest
+// probability by lane_maxima8, the same widths and test as the scalar loop (-1: a block undecided). 0 without
+// writing where a token of these blocks was scored in fp64 (the scalar loop weighs the two kinds apart).
+// Why: at v_block 8 a block's two vector reductions (gap, probability) cost ~3x the loop at v_block 32.
+inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64_t b, int64_t h, int64_t t0, int64_t nv,
+                          const int8_t* lo8, const int8_t* hi8, bool one_o, const double* S, const uint8_t* ex,
+                          int64_t L, int64_t R, int D, const std::vector<double>& hi_a,
+                          const std::vector<double>& lo_a, uint8_t* wv) {
+  const int span = int(rule.value_block), n = 16 * span;
+  for (int64_t r = 0; r < R; ++r)
+    for (int t = 0; t < n; t += 64)
+      if (_mm512_test_epi8_mask(_mm512_loadu_si512(ex + r * L + t0 + t), _mm512_set1_epi8(-1))) return 0;
+  const uint8_t* rows = rule.v_exp.at(b, h, t0 / span);
+  if (t0 + n * (1 + PFE) <= nv)  // the rows PFE groups ahead into L2 (at v_block 8 they are 256 KiB an item at 16K)
+    for (int i = 0; i < 16; ++i)
+      for (int c = 0; c < D; c += 64) __builtin_prefetch(rows + (16 * PFE + i) * rule.v_exp.s2 + c, 0, 2);
+  const __m512i g_lo = least_gaps16<false>(lo8, rows, rule.v_exp.s2, D);
+  const __m512i g_hi = one_o ? g_lo : least_gaps16<false>(hi8, rows, rule.v_exp.s2, D);
+  __m512d top_hi[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, top_lo[2] = {top_hi[0], top_hi[1]};
+  for (int64_t r = 0; r < R; ++r) {  // fp32-scored keys only: a block's largest probability times the row's factor
+    const double* srow = S + r * L + t0;
+    for (int k = 0; k < 2; ++k) {
+      __m512d v[8];
+      for (int i = 0; i < 8; ++i) {
+        const double* x = srow + (8 * k + i) * span;
+        v[i] = _mm512_loadu_pd(x);
+        for (int t = 8; t < span; t += 8) v[i] = _mm512_max_pd(v[i], _mm512_loadu_pd(x + t));
+      }
+      const __m512d top = lane_maxima8(v);
+      top_hi[k] = _mm512_max_pd(top_hi[k], _mm512_mul_pd(top, _mm512_set1_pd(hi_a[r])));
+      top_lo[k] = _mm512_max_pd(top_lo[k], _mm512_mul_pd(top, _mm512_set1_pd(lo_a[r])));
+    }
+  }
+  __m128i w;
+  if (!decide(g_lo, g_hi, top_hi, top_lo, &w)) return -1;
+  alignas(16) uint8_t w16[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(w16), w);
+  for (int i = 0; i < 16; ++i) std::memset(wv + t0 + i * span, w16[i], size_t(span));
+  return 1;
 }
 #endif
 
@@ -1221,8 +1285,23 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
       return true;
     if (undecided) return false;
   }
+  alignas(64) int8_t lo8[DMAX], hi8[DMAX];
+  const bool blocks16 = rule.value_block > 0 && rule.value_block % 8 == 0 && D % 64 == 0 &&
+                        gap_offsets8(o_lo, o_hi, D, lo8, hi8);
+  const Widths16 decide(rule);
 #endif
-  for (int64_t t0 = 0; t0 < nv; t0 += span) {
+  for (int64_t t0 = 0; t0 < nv;) {
+#if KVQ_AVX512
+    if (blocks16 && t0 + 16 * span <= nv) {
+      const int done =
+          block_widths16(rule, decide, b, h, t0, nv, lo8, hi8, one_o, S, ex.data(), L, R, D, hi_a, lo_a, wv);
+      if (done < 0) return false;
+      if (done > 0) {
+        t0 += 16 * span;
+        continue;
+      }
+    }
+#endif
     int16_t g_lo = std::numeric_limits<int16_t>::max(), g_hi = g_lo;
     if (rule.value_block > 0) {  // the block rule: the exponent bytes kept at append
       const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
@@ -1258,6 +1337,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
       if (w != narrow) return false;
     }
     std::fill(wv + t0, wv + t0 + span, w);
+    t0 += span;
   }
   if (rule.value_block == 0) widest_per_block(wv, nv, rule.v_block);
   return true;
