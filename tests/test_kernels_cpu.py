@@ -380,13 +380,14 @@ def test_aligned_block_rule_decides_the_torch_rules_widths(built, threads, shape
         assert_close(out, reference(q, keys, store.read_values(expected, torch.float32), mask))
 
 
-@pytest.mark.parametrize("rule", ["paper", "block"])
+@pytest.mark.parametrize("rule", ["paper", "block8", "block32", "block64"])
 @pytest.mark.parametrize("shape", PLANE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, rule):
     """The value rule decides from fp32 scores where their error bounds prove the widths: the same widths as
     ``exact_scores`` (fp64 throughout) and the torch rule, bool and additive masks, most items decided from
     fp32; with ``k_absmax`` inflated 2^14 times (bounds too wide to decide anything) every item goes to fp64
-    and still gives those widths. The paper's rule at ``v_block`` 16, the block rule at 32."""
+    and still gives those widths. The paper's rule at ``v_block`` 16, the block rule at 8, 32 and 64 (on
+    AVX-512 it decides 16 blocks at a time where no key of them was scored in fp64: a mask's keys are)."""
     from kvquant.alignment import block_value_widths, block_widths, high_byte_values, value_widths
     from kvquant.formats.planes import scores as _scores
 
@@ -395,18 +396,20 @@ def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, ru
     bool_mask = causal_padding_mask(b, q_len, length, [min(i * 7, length - q_len) for i in range(b)])
     float_mask = torch.zeros(bool_mask.shape).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
     v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
-    block = rule == "block"
-    store = plane_store(b, hkv, length, d, True, blockwise, seed=length + d + 1, value_block=32 if block else 0)
+    block = rule.startswith("block")
+    v_block = int(rule.removeprefix("block")) if block else 16
+    store = plane_store(b, hkv, length, d, True, blockwise, seed=length + d + 1, value_block=v_block if block else 0)
     nb = store.n_full // 64
     wk = random_widths(b, hkv, nb, d, seed=1) if blockwise else random_widths(b, hkv, d, seed=1)
     keys = store.read_keys(wk, torch.float32)
-    v_block = 32 if block else 16
     kw = dict(k_widths=wk, v8=v8, v_thresholds=(4.0, 8.0), topk=32, v_block=v_block, block_rule=block)
     fast = 0
     for mask in (bool_mask, float_mask):
         scores = _scores(q, keys, mask, d**-0.5, None, torch.float64)
         if block:
-            expected = block_value_widths(scores, store.v_exp, store.high_bytes_at, (4.0, 8.0), 32, 32) if nb else None
+            expected = (
+                block_value_widths(scores, store.v_exp, store.high_bytes_at, (4.0, 8.0), 32, v_block) if nb else None
+            )
         else:
             paper = value_widths(scores, store.value_high_bytes(), (4.0, 8.0), 32)[:, :, : store.n_full]
             expected = block_widths(paper, v_block)
