@@ -34,6 +34,8 @@ With ``--planes``, AlignedKV's planes instead (``kernels_cpu.attend_planes`` on 
   step as ``backend=cpu`` runs it (``attend_aligned`` with ``block_rule``), after its ``bits``: time / fused fp16;
 - ``pb8``/``pb32``: the same with AlignedKV+'s key widths per 64-token block (``alignedkv_plus_block``; its
   ``v_block`` 8 is the configuration that keeps every greedy token at <= 12.5 bits in README's frontier table);
+  ``x32``: ``bk32`` with every item rescored in fp64 (``exact_scores``): what an item costs whose widths the
+  fp32 scores' error bounds cannot decide (on top of the fp32 attempt that found so);
   ``fp32``: the share of the timed ``st``/``bk`` steps' (head, row) items the rules decided from fp32 scores
   within their error bounds (``kernels_cpu.aligned_rule_counts``; the rest were rescored in fp64).
 
@@ -268,9 +270,18 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
         _, _, _, kept = planes_inputs(hq, hkv, d, length, value_block=v_block, block_exponents=plus)
         wk, wv = rule_widths(q, kept, v_block, "block", blockwise=plus)
         bits[name] = bits_read(kept, wk, wv)
-        fns[name] = lambda wk=wk, kept=kept, v_block=v_block: kernels_cpu.attend_aligned(
-            q, kept, k_widths=wk, v8=v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=v_block, block_rule=True
-        )
+        for timed, exact in [(name, False)] + [("x32", True)] * (name == "bk32"):
+            fns[timed] = lambda wk=wk, kept=kept, v_block=v_block, exact=exact: kernels_cpu.attend_aligned(
+                q,
+                kept,
+                k_widths=wk,
+                v8=v8_magnitudes(),
+                v_thresholds=(4, 8),
+                topk=32,
+                v_block=v_block,
+                block_rule=True,
+                exact_scores=exact,
+            )
     before = kernels_cpu.aligned_rule_counts()
     t = interleaved_ms(fns, repeats, flush)
     after = kernels_cpu.aligned_rule_counts()
@@ -280,7 +291,7 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
         row += f" {bits[b]:>5.2f} {t[f'vb{b}'] / t['fp16']:>5.2f} {t[f'st{b}'] / t['fp16']:>5.2f} {bits[b] / 16:>5.2f}"
     for name in [f"bk{b}" for b in BLOCK_RULE] + [f"pb{b}" for b in PLUS_BLOCK]:
         row += f" {bits[name]:>5.2f} {t[name] / t['fp16']:>5.2f}"
-    return row + f" {fp32 / max(1, fp32 + fp64):>5.3f}"
+    return row + f" {t['x32'] / t['fp16']:>5.2f} {fp32 / max(1, fp32 + fp64):>5.3f}"
 
 
 HIGGS_BITS, HIGGS_SINK = 2, 4
@@ -329,7 +340,7 @@ def planes_header() -> str:
     head = f"{'shape':<15} {'ctx':>6} {'fp16':>7} {'u8':>5} {'u12':>5} {'u16':>5}"
     head += "".join(f" {'bits':>5} {f'vb{b}':>5} {f'st{b}':>5} {'id':>5}" for b in V_BLOCKS)
     blocks = [f"bk{b}" for b in BLOCK_RULE] + [f"pb{b}" for b in PLUS_BLOCK]
-    return head + "".join(f" {'bits':>5} {name:>5}" for name in blocks) + f" {'fp32':>5}"
+    return head + "".join(f" {'bits':>5} {name:>5}" for name in blocks) + f" {'x32':>5} {'fp32':>5}"
 
 
 def main(argv: list[str] | None = None) -> int:
