@@ -1039,7 +1039,8 @@ inline __m512d lane_maxima8(const __m512d* v) {
 // gap offsets by gap_offsets8): the gaps of their exponent bytes by least_gaps16 and each block's largest
 // probability by lane_maxima8, the same widths and test as the scalar loop (-1: a block undecided). 0 without
 // writing where a token of these blocks was scored in fp64 (the scalar loop weighs the two kinds apart).
-// Why: at v_block 8 a block's two vector reductions (gap, probability) cost ~3x the loop at v_block 32.
+// Why: v_block 8 has 4x the blocks of v_block 32, and a block's two reductions (gap, probability) taken alone
+// are chains of shuffles.
 inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64_t b, int64_t h, int64_t t0, int64_t nv,
                           const int8_t* lo8, const int8_t* hi8, bool one_o, const double* S, const uint8_t* ex,
                           int64_t L, int64_t R, int D, const std::vector<double>& hi_a,
@@ -1049,7 +1050,7 @@ inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64
     for (int t = 0; t < n; t += 64)
       if (_mm512_test_epi8_mask(_mm512_loadu_si512(ex + r * L + t0 + t), _mm512_set1_epi8(-1))) return 0;
   const uint8_t* rows = rule.v_exp.at(b, h, t0 / span);
-  if (t0 + n * (1 + PFE) <= nv)  // the rows PFE groups ahead into L2 (at v_block 8 they are 256 KiB an item at 16K)
+  if (t0 + n * (1 + PFE) <= nv)  // the rows PFE groups ahead into L2 (v_block 8, D 128: 256 KiB an item at 16K)
     for (int i = 0; i < 16; ++i)
       for (int c = 0; c < D; c += 64) __builtin_prefetch(rows + (16 * PFE + i) * rule.v_exp.s2 + c, 0, 2);
   const __m512i g_lo = least_gaps16<false>(lo8, rows, rule.v_exp.s2, D);
