@@ -302,9 +302,10 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
 // The exact path's scores of key block j's 64 tokens for NR (<= 3) rows in fp64, d[r*KB + t] =
 // scaling * q_r . k_t (q: the rows widened to fp64 once an item, DMAX apart; 3 rows' 24 sums, their 3
 // broadcasts and a channel's elements about fill the registers): as block_scores reads the planes, each
-// channel's fp32 elements widened and multiplied into 8 fp64 sums per row (one chain per lane over the head's channels, D + 1 roundings with the
-// scaling; torch's fp64 matmul sums in an order of its own anyway). Why: the 16-token buffer path it
-// replaces took ~2x the fp32 key pass, which every item the fp32 bounds cannot decide pays on top of it.
+// channel's fp32 elements widened and multiplied into 8 fp64 sums per row (one chain per lane over the head's
+// channels, D + 1 roundings with the scaling; torch's fp64 matmul sums in an order of its own anyway). Why: the
+// 16-token buffer path it replaces was far slower than the fp32 key pass, and every item the fp32 bounds cannot
+// decide pays it on top of that pass.
 template <int NR, bool TINY>
 void block_scores_f64(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const double* q,
                       double scaling, double* d) {
