@@ -11,17 +11,19 @@ A second part checks that a decode step does not re-quantize the cache: from the
 feeds ``profile_steps`` single-token K/V into all layers (cache work only, no model) and reports, per
 bucket of steps, the median and max step time as ratios to fp16's. A flat median ratio means per-step
 work grows only like fp16's own read of the history; the max shows the periodic block flushes.
-A method entry ``name@backend`` (``kivi2@cpu``) times that method on that backend; the baseline is
-kvquant's fp16 cache on the torch path. AQUA-KV entries add a floor row (``aquakv_floor``): DynamicCache's
-step plus the predictors' matmuls over the history (the method's own weights, so the same shapes, on
-the tokens coded at the middle decode step), timed in the same repeats; ``ratio_floor`` is each row's
-time over it (AQUA-KV's predictors must run over the whole history every step, so no AQUA-KV step
-can beat it). (Formerly ``scripts/bench_kv_methods.py``.) ``render``
-writes ``bench_kv_methods.md`` from the CSV.
+A method entry ``name@backend`` (``kivi2@cpu``) times that method on that backend, and
+``name(key=value, ...)`` with its parameters (``"alignedkv_plus_block(v_block=8)@cpu"``, quoted on the command
+line); the baseline is kvquant's fp16 cache on the torch path. AQUA-KV entries add a floor row
+(``aquakv_floor``): DynamicCache's step plus the predictors' matmuls over the history (the method's own
+weights, so the same shapes, on the tokens coded at the middle decode step), timed in the same repeats;
+``ratio_floor`` is each row's time over it (AQUA-KV's predictors must run over the whole history every step,
+so no AQUA-KV step can beat it). (Formerly ``scripts/bench_kv_methods.py``.) ``render`` writes
+``bench_kv_methods.md`` from the CSV.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from omegaconf import DictConfig
 
 from experiments.figures import progress, publish_table, start, write_markdown
@@ -51,10 +54,24 @@ def context_ids(tokenizer, n: int) -> torch.Tensor:
     return torch.tensor(ids[:n])
 
 
+ENTRY = re.compile(r"(?P<name>[\w.-]+)(?:\((?P<params>[^()]*)\))?(?:@(?P<backend>\w+))?")
+
+
 def method_spec(entry: str) -> tuple[str, dict[str, Any]]:
-    """``name`` or ``name@backend`` (e.g. ``kivi2@cpu``: the C++ kernels) → (label, build spec)."""
-    name, _, backend = entry.partition("@")
-    return entry, {"name": name, **({"backend": backend} if backend else {})}
+    """``name``, ``name@backend`` (e.g. ``kivi2@cpu``: the C++ kernels) or ``name(key=value, ...)@backend``
+    (``alignedkv_plus_block(v_block=8)@cpu``; values read as YAML scalars) → (label, build spec)."""
+    from kvquant.errors import InvalidParameterError
+
+    match = ENTRY.fullmatch(entry.replace(" ", ""))
+    pairs = [p.partition("=") for p in (match["params"] or "").split(",") if p] if match else []
+    if match is None or any(not key or not eq for key, eq, _ in pairs):
+        raise InvalidParameterError(
+            f"method entry {entry!r}: write name, name@backend or name(key=value,...)@backend, "
+            "e.g. 'alignedkv_plus_block(v_block=8)@cpu'"
+        )
+    params = {key: yaml.safe_load(value) for key, _, value in pairs}
+    backend = {"backend": match["backend"]} if match["backend"] else {}
+    return entry, {"name": match["name"], **params, **backend}
 
 
 def filled_cache(make: Callable[[], Any], kv: list[tuple[torch.Tensor, torch.Tensor]]):

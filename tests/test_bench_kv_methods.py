@@ -53,6 +53,25 @@ def test_every_cache_timed_against_fp16_in_the_same_run(tmp_path):
     assert "| 64 | fp16 |" in proc.stdout and "| – | nope | skipped: unknown method" in proc.stdout
 
 
+def test_method_entries_name_their_parameters_and_backend():
+    """``name(key=value, ...)@backend`` builds the method with those parameters (YAML scalars) on that backend;
+    a malformed entry is refused in one line that shows the form."""
+    from experiments.bench_kv_methods import method_spec
+    from kvquant.errors import InvalidParameterError
+    from kvquant.methods import get_method
+
+    entry = "alignedkv_plus_block(v_block=8, margin=0.5)@torch"
+    label, spec = method_spec(entry)
+    assert label == entry and spec == {"name": "alignedkv_plus_block", "v_block": 8, "margin": 0.5, "backend": "torch"}
+    method = get_method(spec.pop("name"), **spec)
+    rule = method.rule()
+    assert rule.v_block == 8 and rule.margin == 0.5 and rule.value_rule == "block" and rule.blockwise
+    assert method_spec("kivi2@cpu") == ("kivi2@cpu", {"name": "kivi2", "backend": "cpu"})
+    for bad in ("kivi2(group)@cpu", "kivi2(=4)", "kivi2@", "@cpu", "kivi2((group=4))"):
+        with pytest.raises(InvalidParameterError, match="name\\(key=value,...\\)@backend"):
+            method_spec(bad)
+
+
 def test_aquakv_entries_get_their_floor(tmp_path, stories, predictor_root):
     """An AQUA-KV entry adds ``aquakv_floor`` (DynamicCache's step plus the predictor matmuls, timed in
     the same run) and a ``ratio_floor`` column: the AQUA-KV rows' time over that floor (none for others)."""
