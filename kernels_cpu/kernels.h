@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -42,6 +43,8 @@ struct Mask {
   const uint8_t* b = nullptr;  // boolean mask: nonzero = attend
   const float* f = nullptr;    // additive mask
   int64_t st = 0;              // stride along keys
+  // An fp64 score under the mask at element `at`: -inf where a boolean mask hides it, else plus the additive one.
+  double apply(int64_t at, double x) const { return b != nullptr ? (b[at] ? x : -INFINITY) : x + double(f[at]); }
 };
 
 struct Half4 {  // an fp16 [B, H, T, D] tensor with a contiguous last dim

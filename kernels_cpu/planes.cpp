@@ -149,7 +149,7 @@ struct KeyChannels {
   int32_t list[3][DMAX + 16];       // + 16: build's vector stores run past a list's end
   int count[3] = {0, 0, 0};
   // Per-column widths build once a head; AlignedKV+'s per-block widths once a block, where a scalar loop
-  // (a store-to-load chain through count[k]) cost ~20% of its key pass at 32 x 128: 16 channels a vector.
+  // (a store-to-load chain through count[k]) slowed its key pass visibly: 16 channels a vector.
   void build(const uint8_t* w, int64_t wc, int D) {
     if (w == widths) return;  // per-column widths: one row for every block of the head
     widths = w;
@@ -207,7 +207,7 @@ constexpr int SCORE_CHUNK = 8;
 // A key block's channel as block_scores reads it: its planes' addresses, and a prefetch of the same channel
 // of block j + PFB (into L2) and of block j + 1 (into L1) as this block's width reads it (a burst of a whole
 // block's lines measured slower). With AlignedKV+'s widths per block this misses a plane where a later
-// block's channel is wider; looking each one's width up cost more (+8% on its key pass at 32 x 128).
+// block's channel is wider; looking each one's width up cost more (its key pass got slower, not faster).
 struct KeyBlockPlanes {
   const uint8_t *a, *bp, *cp;
   int64_t pa = 0, pb = 0, pc = 0, na, nb, nc;
@@ -1132,10 +1132,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
       }
       for (int t = 0; t < n; ++t) {
         double x = fp32 ? double(dots[r * BT + t]) * rule.scaling : srow[t];
-        if (P.has_mask) {
-          const int64_t at = moff[r0 + r] + (t0 + t) * P.mask.st;
-          x = P.mask.b != nullptr ? (P.mask.b[at] ? x : -INFINITY) : x + double(P.mask.f[at]);
-        }
+        if (P.has_mask) x = P.mask.apply(moff[r0 + r] + (t0 + t) * P.mask.st, x);
         if (x == -INFINITY) ex[(r0 + r) * L + t0 + t] = 1;
         srow[t] = x;
       }
@@ -1380,12 +1377,8 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
     for (int r = 0; r < nr; ++r) {
       double* srow = S.data() + (r0 + r) * L + t0;
       for (int t = 0; t < n; ++t) {
-        double x = dots[r * stride + t];
-        if (P.has_mask) {
-          const int64_t at = moff[r0 + r] + (t0 + t) * P.mask.st;
-          x = P.mask.b != nullptr ? (P.mask.b[at] ? x : -INFINITY) : x + double(P.mask.f[at]);
-        }
-        srow[t] = x;
+        const double x = dots[r * stride + t];
+        srow[t] = P.has_mask ? P.mask.apply(moff[r0 + r] + (t0 + t) * P.mask.st, x) : x;
       }
     }
   };

@@ -250,6 +250,21 @@ def interleaved_ms(fns: dict, repeats: int, flush: torch.Tensor | None) -> dict:
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
+def block_rule_step(q: torch.Tensor, store, wk: torch.Tensor, v_block: int, exact_scores: bool = False):
+    """The block rule's whole step as ``backend=cpu`` runs it, for ``interleaved_ms``."""
+    return lambda: kernels_cpu.attend_aligned(
+        q,
+        store,
+        k_widths=wk,
+        v8=v8_magnitudes(),
+        v_thresholds=(4, 8),
+        topk=32,
+        v_block=v_block,
+        block_rule=True,
+        exact_scores=exact_scores,
+    )
+
+
 def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torch.Tensor | None) -> str:
     """The ``--planes`` table's columns after shape and context."""
     q, k, v, store = planes_inputs(hq, hkv, d, length)
@@ -270,18 +285,9 @@ def planes_row(hq: int, hkv: int, d: int, length: int, repeats: int, flush: torc
         _, _, _, kept = planes_inputs(hq, hkv, d, length, value_block=v_block, block_exponents=plus)
         wk, wv = rule_widths(q, kept, v_block, "block", blockwise=plus)
         bits[name] = bits_read(kept, wk, wv)
-        for timed, exact in [(name, False)] + [("x32", True)] * (name == "bk32"):
-            fns[timed] = lambda wk=wk, kept=kept, v_block=v_block, exact=exact: kernels_cpu.attend_aligned(
-                q,
-                kept,
-                k_widths=wk,
-                v8=v8_magnitudes(),
-                v_thresholds=(4, 8),
-                topk=32,
-                v_block=v_block,
-                block_rule=True,
-                exact_scores=exact,
-            )
+        fns[name] = block_rule_step(q, kept, wk, v_block)
+        if name == "bk32":
+            fns["x32"] = block_rule_step(q, kept, wk, v_block, exact_scores=True)
     before = kernels_cpu.aligned_rule_counts()
     t = interleaved_ms(fns, repeats, flush)
     after = kernels_cpu.aligned_rule_counts()
