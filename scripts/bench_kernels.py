@@ -116,8 +116,51 @@ def score_bytes(batch: int, hq: int, n: int, rule: bool) -> int:
     return batch * hq * per_row
 
 
+def kernel_times(runs: dict, steps: int) -> list[dict]:
+    """Per method, what one step runs on the device: each kernel's calls and microseconds per step.
+
+    torch.profiler's CUPTI trace sees CuPy's launches as it sees torch's (both on torch's stream), so the
+    launches per step and the split of a step's time between QK, softmax and SV are read off the same run.
+    Without CUDA (a CPU test) it times the CPU ops instead.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    rows = []
+    for method, fn in runs.items():
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+        events = []
+        for event in prof.key_averages():
+            us = getattr(event, "device_time_total", 0.0) if cuda else event.self_cpu_time_total
+            if us > 0:
+                events.append({"method": method, "kernel": event.key, "calls": event.count / steps, "us": us / steps})
+        events.sort(key=lambda e: -e["us"])
+        total = {"calls": sum(e["calls"] for e in events), "us": sum(e["us"] for e in events)}
+        rows += [{"method": method, "kernel": "(all)", **total}, *events]
+    return rows
+
+
+def kernel_table(rows: list[dict]) -> str:
+    lines = ["| method | kernel | calls/step | us/step |", "|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['kernel']} | {r['calls']:.1f} | {r['us']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def bench_one(
-    shape: str, batch: int, context: int, repeats: int, copy_bw: float, methods: tuple[str, ...] = METHODS
+    shape: str,
+    batch: int,
+    context: int,
+    repeats: int,
+    copy_bw: float,
+    methods: tuple[str, ...] = METHODS,
+    profile_steps: int = 0,
 ) -> dict:
     from kernels_cupy.ops import aligned_attention, append
     from kvquant.formats.planes import PlaneStore
@@ -157,6 +200,8 @@ def bench_one(
         if not full:
             row[f"{name} bits K"], row[f"{name} bits V"] = bits_k, bits_v
     row["fp16 KV MB"] = fp16_bytes / 1e6
+    if profile_steps:
+        row["kernels"] = kernel_times(runs, profile_steps)
     return row
 
 
@@ -216,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--max-seconds", type=float, default=0.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    parser.add_argument(
+        "--profile",
+        default="",
+        metavar="SHAPE:BATCH:CONTEXT",
+        help="also list the kernels one step of each method runs at this configuration (torch.profiler)",
+    )
     args = parser.parse_args(argv)
 
     from kernels_cupy import cupy_status
@@ -228,6 +279,18 @@ def main(argv: list[str] | None = None) -> int:
         if shape not in SHAPES:
             print(f"error: unknown shape '{shape}'; valid: {', '.join(SHAPES)}", file=sys.stderr)
             return 2
+    configs = [
+        f"{s}:{b}:{c}"
+        for s in args.shapes.split(",")
+        for b in args.batches.split(",")
+        for c in args.contexts.split(",")
+    ]
+    if args.profile and args.profile not in configs:
+        print(
+            f"error: --profile {args.profile} is not a measured configuration; one of {', '.join(configs)}",
+            file=sys.stderr,
+        )
+        return 2
     methods = tuple(args.methods.split(","))
     if "sdpa" not in methods or any(m not in METHODS for m in methods):
         print(f"error: --methods must include sdpa and name only {', '.join(METHODS)}", file=sys.stderr)
@@ -244,15 +307,23 @@ def main(argv: list[str] | None = None) -> int:
                 if args.max_seconds and time.monotonic() - start > args.max_seconds:
                     rows.append({"shape": shape, "batch": batch, "context": context, "note": "skipped: time budget"})
                     continue
+                steps = 20 if args.profile == f"{shape}:{batch}:{context}" else 0
                 try:
-                    rows.append(bench_one(shape, batch, context, args.repeats, copy_bw, methods))
+                    rows.append(bench_one(shape, batch, context, args.repeats, copy_bw, methods, steps))
                 except torch.OutOfMemoryError:
                     rows.append({"shape": shape, "batch": batch, "context": context, "note": "out of memory"})
                 torch.cuda.empty_cache()  # this configuration's K/V and planes are gone with bench_one's frame
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
                 if args.out:  # rewritten after every row, so a cut-short run still leaves its table
                     args.out.write_text(f"{header}\n\n{table(rows)}\n")
-    print(f"\n{header}\n\n{table(rows)}")
+    profiled = [row for row in rows if "kernels" in row]
+    kernels = "".join(
+        f"\n\nkernels per step, {r['shape']} batch {r['batch']} context {r['context']}:\n\n{kernel_table(r['kernels'])}"
+        for r in profiled
+    )
+    if args.out:
+        args.out.write_text(f"{header}\n\n{table(rows)}{kernels}\n")
+    print(f"\n{header}\n\n{table(rows)}{kernels}")
     if not any("sdpa ms" in row for row in rows):  # a check that measured nothing has not passed
         print("error: no configuration was measured (time budget or out of memory)", file=sys.stderr)
         return 1

@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # The GPU check of kernels_cupy, in one call of at most 8 minutes on a lent GPU machine:
-# a usable-GPU check, the gpu-marked tests, the decode-attention and whole-step benchmarks, one results file.
+# a usable-GPU check, every module compiled once, the gpu-marked tests, the decode-attention and whole-step
+# benchmarks, one results file.
 #
 #   scripts/gpu_check.sh [OUT_DIR]        # default: $OUT if set, else outputs/gpu_check (git-ignored)
 #
 # Needs python3 ($PYTHON) with torch, numpy, cupy, pytest and transformers (the real-K/V test loads
 # the bundled stories260K; without transformers it skips, and a skip fails the check); no Hydra,
 # W&B, lm-eval or platformdirs (the converted model goes to $XDG_CACHE_HOME/kvquant, default
-# ~/.cache/kvquant). Writes OUT_DIR/results.md (device, date, test verdict, benchmark tables),
-# device.txt, tests.log, tests.xml, bench.log, bench.md, step.log, step.md, aquakv.log and aquakv.md.
+# ~/.cache/kvquant). pytest-xdist and pytest-timeout are used where installed (tests on 8 workers, 120 s a
+# test). Writes OUT_DIR/results.md (device, date, compile times, test verdict, benchmark tables), device.txt,
+# compile.log, tests.log, tests.xml, bench.log, bench.md, step.log, step.md, aquakv.log and aquakv.md.
 #
 # The benchmarks are reduced versions of issues 32 and 33's: attention only, SDPA vs the paper's rule vs
 # the block rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes
-# read and % of the copy bandwidth measured in the same run (scripts/bench_kernels.py); and whole decode
-# steps on a random-weight Llama-2-7B layout at 4K and 32K, each cache against DynamicCache, and AQUA-KV's
-# (random predictors) on a Llama-3.1-8B layout at 4K against DynamicCache and its floor (scripts/bench_step.py).
+# read and % of the copy bandwidth measured in the same run, and the kernels one step runs at batch 8, 32K
+# (scripts/bench_kernels.py); and whole decode steps on a random-weight Llama-2-7B layout at 4K and 32K,
+# each cache against DynamicCache, and AQUA-KV's (random predictors) on a Llama-3.1-8B layout at 4K against
+# DynamicCache and its floor (scripts/bench_step.py).
 #
-# Fails closed. Exit 0 only when every gpu-marked test ran and passed (none skipped, at least one
-# collected) and the three benchmark runs exited 0; 2 when CuPy or the GPU is unusable (one `error:` line,
-# nothing else run); 1 otherwise.
+# Fails closed. Exit 0 only when every module compiled, every gpu-marked test ran and passed (none skipped,
+# at least one collected) and the three benchmark runs exited 0; 2 when CuPy or the GPU is unusable (one
+# `error:` line, nothing else run); 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-outputs/gpu_check}}"
@@ -61,12 +64,19 @@ fi
 } > "$OUT_DIR/device.txt"
 cat "$OUT_DIR/device.txt"
 
-# 2. Tests (<= 270 s): every gpu-marked test of the kernels (first use compiles the modules) and of the
-# caches on CUDA. The verdict is read from the JUnit report, so a skip counts against the check whatever
-# pytest exits.
+# 2. Compile (<= 90 s): every module at once, one process each, as the loader compiles it at first use
+# (NVRTC; nvcc where NVRTC refuses), so CuPy's disk cache holds them before the test workers start.
+timeout 90 "$PY" scripts/gpu_compile.py 2>&1 | tee "$OUT_DIR/compile.log"
+compile_status=${PIPESTATUS[0]}
+
+# 3. Tests (<= 200 s): every gpu-marked test of the kernels and of the caches on CUDA. The verdict is read
+# from the JUnit report, so a skip counts against the check whatever pytest exits.
+plugins=()
+"$PY" -c "import xdist" 2>/dev/null && plugins+=(-n 8)
+"$PY" -c "import pytest_timeout" 2>/dev/null && plugins+=(--timeout 120)
 rm -f "$OUT_DIR/tests.xml"
-timeout 270 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py tests/test_kernels_cupy_higgs.py \
-  tests/test_kernels_cupy_aquakv.py tests/test_cache.py -m gpu -q -rs -p no:cacheprovider \
+timeout 200 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py tests/test_kernels_cupy_higgs.py \
+  tests/test_kernels_cupy_aquakv.py tests/test_cache.py -m gpu -q -rs --tb=short -p no:cacheprovider "${plugins[@]}" \
   --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log"
 test_status=${PIPESTATUS[0]}
 if [ -s "$OUT_DIR/tests.xml" ]; then
@@ -84,16 +94,17 @@ EOF
   )
   verdict_status=$?
 else
-  verdict="no test report: pytest did not finish (exit $test_status; 124 is the 270 s timeout)"
+  verdict="no test report: pytest did not finish (exit $test_status; 124 is the 200 s timeout)"
   verdict_status=1
 fi
 
-# 3. Benchmarks (<= 75 s + 55 s + 40 s): whatever a budget leaves is listed as skipped, so the call ends in
+# 4. Benchmarks (<= 75 s + 55 s + 40 s): whatever a budget leaves is listed as skipped, so the call ends in
 # time. Attention only (AlignedKV's kernels vs SDPA), then whole decode steps on a random-weight Llama-2-7B
 # layout (each cache vs DynamicCache, the torch path beside the CuPy kernels), then AQUA-KV's on a
 # Llama-3.1-8B layout (8 KV heads: 1024-channel predictors; Llama-2-7B's 4096 would be 6 GB of weights).
 timeout 75 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,8192,16384,32768 --batches 1,8 \
-  --methods sdpa,aligned,block,control --repeats 10 --max-seconds 50 --out "$OUT_DIR/bench.md" 2>&1 \
+  --methods sdpa,aligned,block,control --repeats 10 --max-seconds 50 --profile llama2_7b:8:32768 \
+  --out "$OUT_DIR/bench.md" 2>&1 \
   | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
 timeout 55 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 30 \
@@ -105,12 +116,17 @@ timeout 40 "$PY" scripts/bench_step.py --layout llama3.1_8b --contexts 4096 --re
 aquakv_status=${PIPESTATUS[0]}
 
 status=0
+[ "$compile_status" -eq 0 ] || status=1
 [ "$test_status" -eq 0 ] && [ "$verdict_status" -eq 0 ] || status=1
 [ "$bench_status" -eq 0 ] && [ "$step_status" -eq 0 ] && [ "$aquakv_status" -eq 0 ] || status=1
 {
   echo "# kernels_cupy GPU check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
   echo
   sed 's/^/    /' "$OUT_DIR/device.txt"
+  echo
+  echo "compile (exit $compile_status):"
+  echo
+  sed 's/^/    /' "$OUT_DIR/compile.log"
   echo
   echo "tests (pytest exit $test_status): $verdict"
   if grep -q '^SKIPPED' "$OUT_DIR/tests.log"; then
@@ -132,6 +148,6 @@ status=0
 } > "$OUT_DIR/results.md"
 cat "$OUT_DIR/results.md"
 if [ "$status" -ne 0 ]; then
-  echo "error: GPU check failed: tests exit $test_status ($verdict); benchmarks exit $bench_status, $step_status, $aquakv_status" >&2
+  echo "error: GPU check failed: compile exit $compile_status; tests exit $test_status ($verdict); benchmarks exit $bench_status, $step_status, $aquakv_status" >&2
 fi
 exit "$status"

@@ -250,6 +250,24 @@ def test_bench_counts_bytes_read():
     assert with_exp == bench.kv_bytes(block_store, wk, wv, False)[0] + block_store.v_exp.numel()
 
 
+def test_bench_lists_the_kernels_of_a_step():
+    """The benchmark's per-step kernel list: calls and time per step, and a total row per method (on a CPU
+    the profiler's CPU ops stand in for the device kernels)."""
+    from conftest import load_script
+
+    bench = load_script("bench_kernels")
+    a = torch.randn(96, 96)
+    rows = bench.kernel_times({"mm": lambda: a @ a, "two": lambda: (a @ a) + a}, steps=4)
+    by = {(r["method"], r["kernel"]): r for r in rows}
+    assert by[("mm", "aten::mm")]["calls"] == 1.0 and ("mm", "aten::add") not in by
+    assert by[("two", "aten::mm")]["calls"] == 1.0 and by[("two", "aten::add")]["calls"] == 1.0
+    for method in ("mm", "two"):
+        parts = [r for r in rows if r["method"] == method and r["kernel"] != "(all)"]
+        assert by[(method, "(all)")]["us"] == pytest.approx(sum(r["us"] for r in parts))
+        assert by[(method, "(all)")]["calls"] == sum(r["calls"] for r in parts)
+    assert "| two | aten::add | 1.0 |" in bench.kernel_table(rows)
+
+
 SM90, SM80 = 232448, 166912
 
 
