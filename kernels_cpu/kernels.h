@@ -900,7 +900,7 @@ struct WidthCountArgs {
   bool per_block = false;
 };
 at::Tensor planes_width_counts(const WidthCountArgs& a);
-std::pair<int64_t, int64_t> aligned_rule_counts();
+std::tuple<int64_t, int64_t, int64_t> aligned_rule_counts();
 std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P, const AlignedRule& rule);
 at::Tensor planes_exponent_gaps(const int16_t* e_o, int64_t eb, int64_t eh, const Bytes& v, int64_t B, int64_t H,
                                 int64_t L, int D);

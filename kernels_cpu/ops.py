@@ -160,8 +160,15 @@ def attend_aligned(
 def aligned_rule_counts() -> tuple[int, int]:
     """``(fp32, fp64)``: ``attend_aligned``'s (KV head, batch row) items this process decided from fp32 scores within
     their bounds, and those the bounds could not decide (rescored in fp64)."""
-    fast, exact = module().aligned_rule_counts()
+    fast, exact, _ = module().aligned_rule_counts()
     return int(fast), int(exact)
+
+
+def aligned_rescored_units() -> int:
+    """How many width units (16-token groups of the paper's rule, value blocks of the block rule) ``attend_aligned``'s
+    fp32 path has decided in this process only after rescoring their tokens in fp64 (their widths left open by the
+    fp32 bounds; without it the whole item would have gone to fp64)."""
+    return int(module().aligned_rule_counts()[2])
 
 
 def key_widths(

@@ -21,7 +21,8 @@ constexpr int KB = 64;  // tokens per key block (kvquant.alignment.BLOCK)
 constexpr int32_t ZERO_EXPONENT = -1024;      // kvquant.bits.ZERO_EXPONENT: floor_log2 of 0
 constexpr int32_t NO_CONTRIBUTION = 1 << 20;  // kvquant.alignment.NO_CONTRIBUTION: the gap of an unread token
 constexpr int PFB = 2;                        // key blocks prefetched ahead (PF tokens)
-constexpr int PFW = 256;  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
+constexpr int PFW = 256;
+constexpr int64_t RESCORE_TOKENS = 512;  // block tokens rule_from_fp32 may rescore in fp64 per item  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
 constexpr int PFE = 2;    // groups of 16 exponent rows prefetched ahead by the block rule's (block_widths16)
 constexpr int PF1 = 16;  // value rows' plane A also prefetched this many tokens ahead into L1 (its loads then hit L1)
 
@@ -977,16 +978,24 @@ struct Widths16 {
   }
 };
 
+// Counts of items decided from fp32 scores, of those that needed the fp64 path, and of the width units (token
+// groups, value blocks) that rule_from_fp32 decided only after rescoring their tokens in fp64
+// (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
+std::atomic<int64_t> fast_items{0}, exact_items{0}, rescored_units{0};
+
 // rule_from_fp32's width loop for the paper's rule (one width per token), 16 tokens at a time: the gaps by
 // least_gaps16 and each token's largest probability at both ends in vectors, the same widths and the same
-// test (a token whose width differs between the ends sends the item to fp64: false with *undecided). False
-// without writing where it does not apply (D not a multiple of 64, O_est's offsets outside least_gaps16's range).
+// test. A group with a token whose width differs between the ends has its tokens rescored in fp64
+// (rescore(t0, 16), where O_est's exponents are alike at both ends) and is tested again; still open, or
+// not rescored, it sends the item to fp64: false with *undecided. False without writing where it does not
+// apply (D not a multiple of 64, O_est's offsets outside least_gaps16's range).
+template <class Rescore>
 inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t b, int64_t h,
                            const std::vector<int16_t>& o_lo, const std::vector<int16_t>& o_hi, bool one_o,
                            const double* S, const uint8_t* ex, int64_t L, int64_t R, int D,
                            const std::vector<double>& hi_e, const std::vector<double>& hi_a,
                            const std::vector<double>& lo_e, const std::vector<double>& lo_a, uint8_t* wv,
-                           bool* undecided) {
+                           bool* undecided, const Rescore& rescore) {
   *undecided = false;
   alignas(64) int8_t lo8[DMAX], hi8[DMAX];
   if (D % 64 != 0 || !gap_offsets8(o_lo, o_hi, D, lo8, hi8)) return false;
@@ -999,21 +1008,29 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
         for (int c = 0; c < D; c += 64) __builtin_prefetch(rows + (PFW + i) * s.va.s2 + c, 0, 2);
     const __m512i g_lo = least_gaps16<true>(lo8, rows, s.va.s2, D);
     const __m512i g_hi = one_o ? g_lo : least_gaps16<true>(hi8, rows, s.va.s2, D);
-    __m512d top_hi[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, top_lo[2] = {top_hi[0], top_hi[1]};
-    for (int64_t r = 0; r < R; ++r)  // each token's probability times its kind's factor, the largest over rows
-      for (int k = 0; k < 2; ++k) {
-        const int64_t t = t0 + 8 * k;
-        const __m512d p = _mm512_loadu_pd(S + r * L + t);
-        const __mmask8 exact = marked8(ex + r * L + t, 0xff);
-        const __m512d fh = _mm512_mask_blend_pd(exact, _mm512_set1_pd(hi_a[r]), _mm512_set1_pd(hi_e[r]));
-        const __m512d fl = _mm512_mask_blend_pd(exact, _mm512_set1_pd(lo_a[r]), _mm512_set1_pd(lo_e[r]));
-        top_hi[k] = _mm512_max_pd(top_hi[k], _mm512_mul_pd(p, fh));
-        top_lo[k] = _mm512_max_pd(top_lo[k], _mm512_mul_pd(p, fl));
-      }
+    __m512d top_hi[2], top_lo[2];
+    auto tops = [&]() {  // each token's probability times its kind's factor, the largest over rows
+      top_hi[0] = top_hi[1] = top_lo[0] = top_lo[1] = _mm512_setzero_pd();
+      for (int64_t r = 0; r < R; ++r)
+        for (int k = 0; k < 2; ++k) {
+          const int64_t t = t0 + 8 * k;
+          const __m512d p = _mm512_loadu_pd(S + r * L + t);
+          const __mmask8 exact = marked8(ex + r * L + t, 0xff);
+          const __m512d fh = _mm512_mask_blend_pd(exact, _mm512_set1_pd(hi_a[r]), _mm512_set1_pd(hi_e[r]));
+          const __m512d fl = _mm512_mask_blend_pd(exact, _mm512_set1_pd(lo_a[r]), _mm512_set1_pd(lo_e[r]));
+          top_hi[k] = _mm512_max_pd(top_hi[k], _mm512_mul_pd(p, fh));
+          top_lo[k] = _mm512_max_pd(top_lo[k], _mm512_mul_pd(p, fl));
+        }
+    };
+    tops();
     __m128i w;
     if (!decide(g_lo, g_hi, top_hi, top_lo, &w)) {
-      *undecided = true;
-      return false;
+      if (one_o && rescore(t0, 16)) tops();
+      if (!one_o || !decide(g_lo, g_hi, top_hi, top_lo, &w)) {
+        *undecided = true;
+        return false;
+      }
+      ++rescored_units;
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(wv + t0), w);
   }
@@ -1079,10 +1096,6 @@ inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64
   return 1;
 }
 #endif
-
-// Counts of items decided from fp32 scores and of those that needed the fp64 path
-// (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
-std::atomic<int64_t> fast_items{0}, exact_items{0};
 
 // The value rule (the paper's per token, kvquant.alignment.value_widths, or the block rule,
 // block_value_widths) decided from fp32 scores where that provably gives the fp64 path's widths; false (and
@@ -1172,7 +1185,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     }
     t0 += n;
   }
-  std::vector<double> hi_e(R), hi_a(R), lo_e(R), lo_a(R);
+  std::vector<double> hi_e(R), hi_a(R), lo_e(R), lo_a(R), mx_r(R, -INFINITY), inv_r(R);
   // The block rule's exponent bytes (one row per value block), read by the width loop at the end, fetched into
   // L2 a few lines at a time while the softmax computes (memory is idle then; the width loop found them cold).
   LinesAhead exb_ahead;
@@ -1247,6 +1260,8 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     const double z_hi = (ze * std::exp(dx[r]) + za * std::exp(dl[r])) * (1 + margin);
     const double inv = 1.0 / z;
     for (int64_t t = 0; t < L; ++t) srow[t] *= inv;
+    mx_r[r] = mx;
+    inv_r[r] = inv;
     hi_e[r] = z / z_lo * std::exp(dx[r]) * (1 + 1e-12);
     hi_a[r] = z / z_lo * std::exp(dl[r]) * (1 + 1e-12);
     lo_e[r] = z / z_hi * std::exp(-dx[r]) * (1 - 1e-12);
@@ -1276,11 +1291,34 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
   const int64_t span = rule.value_block > 0 ? rule.value_block : 1;  // tokens sharing one width
   const bool one_o = o_lo == o_hi;  // O_est's exponents alike at both ends (the usual case): one gap
+  // Where a unit's width differs between the ends of its probability's bounds, its block tokens get their fp64
+  // scores (as the contenders did): exp(s - max) / z with the row's fp32-era max and sum, whose bounds hold for
+  // any mix of kinds, so the unit's probabilities narrow to their fp64 kind's factors (dx for the score; the
+  // sum keeps its own bounds) and the unit is tested again. A budget of RESCORE_TOKENS keeps an item whose
+  // bounds are wide everywhere from scoring most of its keys twice: past it, the item goes to fp64 whole.
+  int64_t rescored = 0;
+  auto rescore = [&](int64_t t0, int64_t n) -> bool {
+    const int64_t end = std::min(t0 + n, nv);
+    if ((rescored += end - t0) > RESCORE_TOKENS) return false;
+    for (int64_t r = 0; r < R; ++r) {
+      if (mx_r[r] == -INFINITY) continue;  // no key seen: every probability 0
+      for (int64_t t = t0; t < end; ++t) {
+        if (ex[r * L + t]) continue;
+        double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
+        if (P.has_mask) y = P.mask.apply(moff[r] + t * P.mask.st, y);
+        const double shifted = y - mx_r[r], e = std::exp(shifted);
+        if (e < 0x1p-1000 && shifted > -760.0) return false;  // near underflow, as the softmax's test
+        S[r * L + t] = e * inv_r[r];
+        ex[r * L + t] = 1;
+      }
+    }
+    return true;
+  };
 #if KVQ_AVX512
   if (rule.value_block == 0) {
     bool undecided = false;
     if (token_widths16(f.s, rule, b, h, o_lo, o_hi, one_o, S, ex.data(), L, R, D, hi_e, hi_a, lo_e, lo_a, wv,
-                       &undecided))
+                       &undecided, rescore))
       return true;
     if (undecided) return false;
   }
@@ -1289,12 +1327,16 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
                         gap_offsets8(o_lo, o_hi, D, lo8, hi8);
   const Widths16 decide(rule);
 #endif
+  int64_t by_unit = 0;  // the scalar loop below takes the units before this token (a group left open)
   for (int64_t t0 = 0; t0 < nv;) {
 #if KVQ_AVX512
-    if (blocks16 && t0 + 16 * span <= nv) {
+    if (blocks16 && t0 >= by_unit && t0 + 16 * span <= nv) {
       const int done =
           block_widths16(rule, decide, b, h, t0, nv, lo8, hi8, one_o, S, ex.data(), L, R, D, hi_a, lo_a, wv);
-      if (done < 0) return false;
+      if (done < 0) {
+        if (!one_o) return false;
+        by_unit = t0 + 16 * span;  // unit by unit, so only the open blocks are rescored
+      }
       if (done > 0) {
         t0 += 16 * span;
         continue;
@@ -1316,24 +1358,36 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     // The largest probability's bounds: within each kind of key (fp64- or fp32-scored) the largest
     // probability times its factor, as rounding a product is monotone in the probability.
     double top_lo = 0.0, top_hi = 0.0;
-    for (int64_t r = 0; r < R; ++r) {
-      const double* srow = S + r * L + t0;
-      const uint8_t* e = ex.data() + r * L + t0;
-      double me = 0.0, ma = 0.0;
-      if (span == 1)  // the paper's rule: one token
-        (e[0] ? me : ma) = srow[0];
-      else
-        largest_by_kind(srow, e, span, me, ma);
-      top_hi = std::max(top_hi, std::max(me * hi_e[r], ma * hi_a[r]));
-      top_lo = std::max(top_lo, std::max(me * lo_e[r], ma * lo_a[r]));
-    }
+    auto tops = [&]() {
+      top_lo = top_hi = 0.0;
+      for (int64_t r = 0; r < R; ++r) {
+        const double* srow = S + r * L + t0;
+        const uint8_t* e = ex.data() + r * L + t0;
+        double me = 0.0, ma = 0.0;
+        if (span == 1)  // the paper's rule: one token
+          (e[0] ? me : ma) = srow[0];
+        else
+          largest_by_kind(srow, e, span, me, ma);
+        top_hi = std::max(top_hi, std::max(me * hi_e[r], ma * hi_a[r]));
+        top_lo = std::max(top_lo, std::max(me * lo_e[r], ma * lo_a[r]));
+      }
+    };
+    tops();
     uint8_t w;
-    if (top_hi == 0.0) {
-      w = width(float(NO_CONTRIBUTION));
-    } else {
+    auto decided = [&]() {
+      if (top_hi == 0.0) {
+        w = width(float(NO_CONTRIBUTION));
+        return true;
+      }
       const uint8_t narrow = width(float(g_hi) - float(floor_log2(top_lo)));
       w = width(float(g_lo) - float(floor_log2(top_hi)));
-      if (w != narrow) return false;
+      return w == narrow;
+    };
+    if (!decided()) {
+      if (!one_o || !rescore(t0, span)) return false;
+      tops();
+      if (!decided()) return false;
+      ++rescored_units;
     }
     std::fill(wv + t0, wv + t0 + span, w);
     t0 += span;
@@ -1580,7 +1634,9 @@ std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P,
   return {out, wv};
 }
 
-std::pair<int64_t, int64_t> aligned_rule_counts() { return {fast_items.load(), exact_items.load()}; }
+std::tuple<int64_t, int64_t, int64_t> aligned_rule_counts() {
+  return {fast_items.load(), exact_items.load(), rescored_units.load()};
+}
 
 at::Tensor planes_read_keys(const PlaneArgs& a, int64_t B, int64_t H, int D) {
   const int64_t L = a.nb * KB + a.tail_n;

@@ -428,6 +428,42 @@ def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, ru
     assert torch.equal(wv, exact_wv)
 
 
+@pytest.mark.parametrize("rule", ["paper", "block8", "block32"])
+@pytest.mark.parametrize("hq,hkv,d,length", [(4, 4, 128, 1100), (6, 2, 64, 1500)])
+def test_rule_from_fp32_rescores_the_units_its_bounds_leave_open(built, threads, hq, hkv, d, length, rule):
+    """Where the fp32 scores' bounds leave a unit's width open (a 16-token group of the paper's rule, a value block
+    of the block rule), the fp32 path rescores that unit's tokens in fp64 and tests it again before sending the
+    item to fp64: with ``k_absmax`` inflated 1-256x (wider bounds, so more units open) the widths stay
+    ``exact_scores``' and the outputs close to them, and some units are decided that way
+    (``aligned_rescored_units``). Keys as fig_latency's (log-normal channel scales, two outlier channels)."""
+    from kvquant.alignment import high_byte_values
+    from kvquant.formats.planes import PlaneStore
+
+    g = torch.Generator().manual_seed(d + length)
+    scale = torch.exp(0.6 * torch.randn(1, hkv, 1, d, generator=g))
+    scale[..., :2] *= 8
+    k = torch.randn(2, hkv, length, d, generator=g) * scale + 0.5 * scale
+    v = torch.randn(2, hkv, length, d, generator=g)
+    q = torch.randn(2, hq, 1, d, generator=g)
+    block = rule.startswith("block")
+    v_block = int(rule.removeprefix("block")) if block else 16
+    store = PlaneStore(value_block=v_block if block else 0)
+    store.append(k.half(), v.half())
+    v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
+    kw = dict(k_widths=torch.full((2, hkv, d), 12, dtype=torch.uint8), v8=v8, v_thresholds=(4.0, 8.0), topk=32)
+    kw |= dict(v_block=v_block, block_rule=block)
+    k_absmax, rescored = store.k_absmax.clone(), 0
+    for inflation in (1, 4, 16, 64, 256):
+        store.k_absmax = k_absmax * inflation
+        before = kernels_cpu.aligned_rescored_units()
+        out, wv = kernels_cpu.attend_aligned(q, store, **kw)
+        rescored += kernels_cpu.aligned_rescored_units() - before
+        exact_out, exact_wv = kernels_cpu.attend_aligned(q, store, exact_scores=True, **kw)
+        assert torch.equal(wv, exact_wv), inflation
+        assert_close(out, exact_out.double())
+    assert rescored >= 1
+
+
 @pytest.mark.parametrize("rule", ["paper", "block"])
 @pytest.mark.parametrize("hq,hkv,d", [(2, 2, 128), (8, 2, 64), (6, 1, 96)])
 def test_rule_from_fp32_scores_resolves_tied_and_near_tied_class_leaders(built, threads, hq, hkv, d, rule):
