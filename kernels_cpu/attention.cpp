@@ -811,7 +811,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_planes", &attend_planes, "fused attention over AlignedKV's planes at given widths");
   m.def("attend_aligned", &attend_aligned, "AlignedKV's value rule in fp64 and attention at its widths, one call");
   m.def("aligned_rule_counts", &kvq::aligned_rule_counts,
-        "items decided from fp32 / fp64 scores, and width units decided after rescoring their tokens in fp64");
+        "items decided from fp32 / fp64 scores, and fp32 ones that rescored some keys in fp64 first");
   m.def("exponent_gaps", &exponent_gaps, "min over channels of e_o - the exponent field of plane A, per token");
   m.def("key_widths", &key_widths, "AlignedKV's key rule for one step (per column, or per block with k_exp), uint8");
   m.def("width_counts", &width_counts, "per KV head counts of the widths read in a window, int64 [2, H, 3]");

@@ -164,10 +164,9 @@ def aligned_rule_counts() -> tuple[int, int]:
     return int(fast), int(exact)
 
 
-def aligned_rescored_units() -> int:
-    """How many width units (16-token groups of the paper's rule, value blocks of the block rule) ``attend_aligned``'s
-    fp32 path has decided in this process only after rescoring their tokens in fp64 (their widths left open by the
-    fp32 bounds; without it the whole item would have gone to fp64)."""
+def aligned_rescored_items() -> int:
+    """How many of ``aligned_rule_counts``' fp32 items (this process) were decided only after rescoring some of
+    their keys in fp64 where the fp32 bounds left a width open (before, each would have gone to fp64 whole)."""
     return int(module().aligned_rule_counts()[2])
 
 

@@ -22,7 +22,8 @@ constexpr int32_t ZERO_EXPONENT = -1024;      // kvquant.bits.ZERO_EXPONENT: flo
 constexpr int32_t NO_CONTRIBUTION = 1 << 20;  // kvquant.alignment.NO_CONTRIBUTION: the gap of an unread token
 constexpr int PFB = 2;                        // key blocks prefetched ahead (PF tokens)
 constexpr int PFW = 256;
-constexpr int64_t RESCORE_TOKENS = 512;  // block tokens rule_from_fp32 may rescore in fp64 per item  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
+constexpr int64_t RESCORE_TOKENS = 512;  // block tokens rule_from_fp32 may rescore in fp64 per item
+constexpr double HEAVY = 0x1p-7;          // a probability whose key it rescores once an item has an open unit  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
 constexpr int PFE = 2;    // groups of 16 exponent rows prefetched ahead by the block rule's (block_widths16)
 constexpr int PF1 = 16;  // value rows' plane A also prefetched this many tokens ahead into L1 (its loads then hit L1)
 
@@ -978,10 +979,10 @@ struct Widths16 {
   }
 };
 
-// Counts of items decided from fp32 scores, of those that needed the fp64 path, and of the width units (token
-// groups, value blocks) that rule_from_fp32 decided only after rescoring their tokens in fp64
+// Counts of items decided from fp32 scores, of those that needed the fp64 path, and of the fp32 ones decided only
+// after rule_from_fp32 rescored some of their keys in fp64 where the bounds left a width open
 // (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
-std::atomic<int64_t> fast_items{0}, exact_items{0}, rescored_units{0};
+std::atomic<int64_t> fast_items{0}, exact_items{0}, rescored_items{0};
 
 // rule_from_fp32's width loop for the paper's rule (one width per token), 16 tokens at a time: the gaps by
 // least_gaps16 and each token's largest probability at both ends in vectors, the same widths and the same
@@ -1025,12 +1026,12 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
     tops();
     __m128i w;
     if (!decide(g_lo, g_hi, top_hi, top_lo, &w)) {
-      if (one_o && rescore(t0, 16)) tops();
-      if (!one_o || !decide(g_lo, g_hi, top_hi, top_lo, &w)) {
+      const bool narrowed = rescore(t0, 16);  // false where O_est's exponents differ at the ends, among others
+      if (narrowed) tops();
+      if (!narrowed || !decide(g_lo, g_hi, top_hi, top_lo, &w)) {
         *undecided = true;
         return false;
       }
-      ++rescored_units;
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(wv + t0), w);
   }
@@ -1185,7 +1186,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     }
     t0 += n;
   }
-  std::vector<double> hi_e(R), hi_a(R), lo_e(R), lo_a(R), mx_r(R, -INFINITY), inv_r(R);
+  std::vector<double> hi_e(R), hi_a(R), lo_e(R), lo_a(R), mx_r(R, -INFINITY), inv_r(R), z_r(R), ze_r(R), za_r(R);
   // The block rule's exponent bytes (one row per value block), read by the width loop at the end, fetched into
   // L2 a few lines at a time while the softmax computes (memory is idle then; the width loop found them cold).
   LinesAhead exb_ahead;
@@ -1262,6 +1263,9 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     for (int64_t t = 0; t < L; ++t) srow[t] *= inv;
     mx_r[r] = mx;
     inv_r[r] = inv;
+    z_r[r] = z;
+    ze_r[r] = ze;
+    za_r[r] = za;
     hi_e[r] = z / z_lo * std::exp(dx[r]) * (1 + 1e-12);
     hi_a[r] = z / z_lo * std::exp(dl[r]) * (1 + 1e-12);
     lo_e[r] = z / z_hi * std::exp(-dx[r]) * (1 - 1e-12);
@@ -1274,126 +1278,191 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   // wider of the two kinds' factors.
   std::vector<double> x(static_cast<size_t>((kk + 1) * D));
   std::vector<int32_t> eo_lo(D), eo_hi(D);
-  for (int64_t r = 0; r < R; ++r) {
-    o_estimate(S + r * L, idx.data() + r * kk, kk, D, rule.v8, high_byte, x);
-    for (int c = 0; c < D; ++c) {
-      const int32_t a = floor_log2(x[c] * std::min(lo_e[r], lo_a[r]) * (1 - 1e-12));
-      const int32_t z = floor_log2(x[c] * std::max(hi_e[r], hi_a[r]) * (1 + 1e-12));
-      eo_lo[c] = r == 0 ? a : std::min(eo_lo[c], a);
-      eo_hi[c] = r == 0 ? z : std::min(eo_hi[c], z);
-    }
-  }
   std::vector<int16_t> o_lo(D), o_hi(D);
-  for (int c = 0; c < D; ++c) {
-    o_lo[c] = int16_t(std::clamp(eo_lo[c], -(1 << 14), 1 << 14) + 15);
-    o_hi[c] = int16_t(std::clamp(eo_hi[c], -(1 << 14), 1 << 14) + 15);
-  }
+  bool one_o = true;  // O_est's exponents alike at both ends (the usual case): one gap
+  auto o_bounds = [&]() {
+    for (int64_t r = 0; r < R; ++r) {
+      o_estimate(S + r * L, idx.data() + r * kk, kk, D, rule.v8, high_byte, x);
+      for (int c = 0; c < D; ++c) {
+        const int32_t a = floor_log2(x[c] * std::min(lo_e[r], lo_a[r]) * (1 - 1e-12));
+        const int32_t z = floor_log2(x[c] * std::max(hi_e[r], hi_a[r]) * (1 + 1e-12));
+        eo_lo[c] = r == 0 ? a : std::min(eo_lo[c], a);
+        eo_hi[c] = r == 0 ? z : std::min(eo_hi[c], z);
+      }
+    }
+    for (int c = 0; c < D; ++c) {
+      o_lo[c] = int16_t(std::clamp(eo_lo[c], -(1 << 14), 1 << 14) + 15);
+      o_hi[c] = int16_t(std::clamp(eo_hi[c], -(1 << 14), 1 << 14) + 15);
+    }
+    one_o = o_lo == o_hi;
+  };
+  o_bounds();
   auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
   const int64_t span = rule.value_block > 0 ? rule.value_block : 1;  // tokens sharing one width
-  const bool one_o = o_lo == o_hi;  // O_est's exponents alike at both ends (the usual case): one gap
   // Where a unit's width differs between the ends of its probability's bounds, its block tokens get their fp64
-  // scores (as the contenders did): exp(s - max) / z with the row's fp32-era max and sum, whose bounds hold for
-  // any mix of kinds, so the unit's probabilities narrow to their fp64 kind's factors (dx for the score; the
-  // sum keeps its own bounds) and the unit is tested again. A budget of RESCORE_TOKENS keeps an item whose
-  // bounds are wide everywhere from scoring most of its keys twice: past it, the item goes to fp64 whole.
+  // scores (as the contenders did): exp(s - max) / z with the row's max and sum, whose bounds hold for any mix
+  // of kinds, so the unit's probabilities narrow to their fp64 kind's factors and the unit is tested again.
+  // The first time, the row's heavy keys (probability >= HEAVY) are rescored too and the sum's bounds taken
+  // again with them as fp64 addends: where a few keys hold most of the attention (sinks), the sum's interval,
+  // which every probability's bounds carry, narrows as much; where O_est's exponents differed between the ends
+  // (no gap to test a unit against), O_est's bounds are taken again with the narrower factors and the widths
+  // decided again from the first unit (`again`). A budget of RESCORE_TOKENS keeps an item whose bounds are
+  // wide everywhere from scoring most of its keys twice: past it, the item goes to fp64 whole.
   int64_t rescored = 0;
+  bool again = false;
+  auto exact_key = [&](int64_t r, int64_t t, double& e) -> bool {  // false: near underflow
+    double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
+    if (P.has_mask) y = P.mask.apply(moff[r] + t * P.mask.st, y);
+    const double shifted = y - mx_r[r];
+    e = std::exp(shifted);
+    return !(e < 0x1p-1000 && shifted > -760.0);  // as the softmax's test
+  };
+  bool tightened = false;
+  auto tighten = [&]() -> bool {  // the heavy keys in fp64 and the sums' bounds again
+    tightened = true;
+    for (int64_t r = 0; r < R; ++r) {
+      if (mx_r[r] == -INFINITY) continue;
+      double* srow = S + r * L;
+      uint8_t* e = ex.data() + r * L;
+      double was = 0.0, now = 0.0;  // the rescored keys' exps, fp32-era and fp64
+      int64_t n = 0;
+      for (int64_t t = 0; t < nv; ++t) {
+        if (e[t] || srow[t] < HEAVY) continue;
+        if (++n + rescored > RESCORE_TOKENS) return false;
+        double x;
+        if (!exact_key(r, t, x)) return false;
+        was += srow[t] * z_r[r];
+        now += x;
+        srow[t] = x * inv_r[r];
+        e[t] = 1;
+      }
+      rescored += n;
+      if (n == 0) continue;
+      // The rescored keys' exps move from one sum to the other; the products and the two adds round at a few u
+      // of z, which the margin's extra 1e-13 covers many times over. Each new bound is a bound on the same exact
+      // sum, so the narrower of old and new holds.
+      const double ze = ze_r[r] + now, za = std::max(0.0, za_r[r] - was);
+      const double margin = 1e-12 + 1e-13 + double(L / 8 + 8) * 0x1p-53, z = z_r[r];
+      const double z_lo = (ze * std::exp(-dx[r]) + za * std::exp(-dl[r])) * (1 - margin);
+      const double z_hi = (ze * std::exp(dx[r]) + za * std::exp(dl[r])) * (1 + margin);
+      hi_e[r] = std::min(hi_e[r], z / z_lo * std::exp(dx[r]) * (1 + 1e-12));
+      hi_a[r] = std::min(hi_a[r], z / z_lo * std::exp(dl[r]) * (1 + 1e-12));
+      lo_e[r] = std::max(lo_e[r], z / z_hi * std::exp(-dx[r]) * (1 - 1e-12));
+      lo_a[r] = std::max(lo_a[r], z / z_hi * std::exp(-dl[r]) * (1 - 1e-12));
+    }
+    return true;
+  };
   auto rescore = [&](int64_t t0, int64_t n) -> bool {
+    if (!tightened) {
+      if (!tighten()) return false;
+      again = !one_o;
+    }
+    if (!one_o) return false;
     const int64_t end = std::min(t0 + n, nv);
     if ((rescored += end - t0) > RESCORE_TOKENS) return false;
     for (int64_t r = 0; r < R; ++r) {
       if (mx_r[r] == -INFINITY) continue;  // no key seen: every probability 0
       for (int64_t t = t0; t < end; ++t) {
         if (ex[r * L + t]) continue;
-        double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
-        if (P.has_mask) y = P.mask.apply(moff[r] + t * P.mask.st, y);
-        const double shifted = y - mx_r[r], e = std::exp(shifted);
-        if (e < 0x1p-1000 && shifted > -760.0) return false;  // near underflow, as the softmax's test
-        S[r * L + t] = e * inv_r[r];
+        double x;
+        if (!exact_key(r, t, x)) return false;
+        S[r * L + t] = x * inv_r[r];
         ex[r * L + t] = 1;
       }
     }
     return true;
   };
+  auto widths = [&]() -> bool {  // every unit's width; false where one stays open
 #if KVQ_AVX512
-  if (rule.value_block == 0) {
-    bool undecided = false;
-    if (token_widths16(f.s, rule, b, h, o_lo, o_hi, one_o, S, ex.data(), L, R, D, hi_e, hi_a, lo_e, lo_a, wv,
-                       &undecided, rescore))
-      return true;
-    if (undecided) return false;
-  }
-  alignas(64) int8_t lo8[DMAX], hi8[DMAX];
-  const bool blocks16 = rule.value_block > 0 && rule.value_block % 8 == 0 && D % 64 == 0 &&
-                        gap_offsets8(o_lo, o_hi, D, lo8, hi8);
-  const Widths16 decide(rule);
-#endif
-  int64_t by_unit = 0;  // the scalar loop below takes the units before this token (a group left open)
-  for (int64_t t0 = 0; t0 < nv;) {
-#if KVQ_AVX512
-    if (blocks16 && t0 >= by_unit && t0 + 16 * span <= nv) {
-      const int done =
-          block_widths16(rule, decide, b, h, t0, nv, lo8, hi8, one_o, S, ex.data(), L, R, D, hi_a, lo_a, wv);
-      if (done < 0) {
-        if (!one_o) return false;
-        by_unit = t0 + 16 * span;  // unit by unit, so only the open blocks are rescored
-      }
-      if (done > 0) {
-        t0 += 16 * span;
-        continue;
-      }
-    }
-#endif
-    int16_t g_lo = std::numeric_limits<int16_t>::max(), g_hi = g_lo;
-    if (rule.value_block > 0) {  // the block rule: the exponent bytes kept at append
-      const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
-      if (t0 + 32 * span < nv) prefetch_span(exb + 32 * rule.v_exp.s2, D);  // a row at a time, 32 blocks ahead
-      g_lo = least_gap<false>(o_lo.data(), exb, D);
-      if (!one_o) g_hi = least_gap<false>(o_hi.data(), exb, D);
-    } else {  // the paper's rule: the token's plane-A exponent fields
-      const uint8_t* row = f.s.va.at(b, h, t0);
-      g_lo = least_gap<true>(o_lo.data(), row, D);
-      if (!one_o) g_hi = least_gap<true>(o_hi.data(), row, D);
-    }
-    if (one_o) g_hi = g_lo;
-    // The largest probability's bounds: within each kind of key (fp64- or fp32-scored) the largest
-    // probability times its factor, as rounding a product is monotone in the probability.
-    double top_lo = 0.0, top_hi = 0.0;
-    auto tops = [&]() {
-      top_lo = top_hi = 0.0;
-      for (int64_t r = 0; r < R; ++r) {
-        const double* srow = S + r * L + t0;
-        const uint8_t* e = ex.data() + r * L + t0;
-        double me = 0.0, ma = 0.0;
-        if (span == 1)  // the paper's rule: one token
-          (e[0] ? me : ma) = srow[0];
-        else
-          largest_by_kind(srow, e, span, me, ma);
-        top_hi = std::max(top_hi, std::max(me * hi_e[r], ma * hi_a[r]));
-        top_lo = std::max(top_lo, std::max(me * lo_e[r], ma * lo_a[r]));
-      }
-    };
-    tops();
-    uint8_t w;
-    auto decided = [&]() {
-      if (top_hi == 0.0) {
-        w = width(float(NO_CONTRIBUTION));
+    if (rule.value_block == 0) {
+      bool undecided = false;
+      if (token_widths16(f.s, rule, b, h, o_lo, o_hi, one_o, S, ex.data(), L, R, D, hi_e, hi_a, lo_e, lo_a, wv,
+                         &undecided, rescore))
         return true;
-      }
-      const uint8_t narrow = width(float(g_hi) - float(floor_log2(top_lo)));
-      w = width(float(g_lo) - float(floor_log2(top_hi)));
-      return w == narrow;
-    };
-    if (!decided()) {
-      if (!one_o || !rescore(t0, span)) return false;
-      tops();
-      if (!decided()) return false;
-      ++rescored_units;
+      if (undecided) return false;
     }
-    std::fill(wv + t0, wv + t0 + span, w);
-    t0 += span;
+    alignas(64) int8_t lo8[DMAX], hi8[DMAX];
+    const bool blocks16 = rule.value_block > 0 && rule.value_block % 8 == 0 && D % 64 == 0 &&
+                          gap_offsets8(o_lo, o_hi, D, lo8, hi8);
+    const Widths16 decide(rule);
+#endif
+    int64_t by_unit = 0;  // the scalar loop below takes the units before this token (a group left open)
+    for (int64_t t0 = 0; t0 < nv;) {
+#if KVQ_AVX512
+      if (blocks16 && t0 >= by_unit && t0 + 16 * span <= nv) {
+        const int done =
+            block_widths16(rule, decide, b, h, t0, nv, lo8, hi8, one_o, S, ex.data(), L, R, D, hi_a, lo_a, wv);
+        if (done < 0) {
+          if (!one_o) {
+            rescore(t0, 0);  // the first time it narrows the bounds (`again`: O_est's taken again)
+            return false;
+          }
+          by_unit = t0 + 16 * span;  // unit by unit, so only the open blocks are rescored
+        }
+        if (done > 0) {
+          t0 += 16 * span;
+          continue;
+        }
+      }
+#endif
+      int16_t g_lo = std::numeric_limits<int16_t>::max(), g_hi = g_lo;
+      if (rule.value_block > 0) {  // the block rule: the exponent bytes kept at append
+        const uint8_t* exb = rule.v_exp.at(b, h, t0 / rule.value_block);
+        if (t0 + 32 * span < nv) prefetch_span(exb + 32 * rule.v_exp.s2, D);  // a row at a time, 32 blocks ahead
+        g_lo = least_gap<false>(o_lo.data(), exb, D);
+        if (!one_o) g_hi = least_gap<false>(o_hi.data(), exb, D);
+      } else {  // the paper's rule: the token's plane-A exponent fields
+        const uint8_t* row = f.s.va.at(b, h, t0);
+        g_lo = least_gap<true>(o_lo.data(), row, D);
+        if (!one_o) g_hi = least_gap<true>(o_hi.data(), row, D);
+      }
+      if (one_o) g_hi = g_lo;
+      // The largest probability's bounds: within each kind of key (fp64- or fp32-scored) the largest
+      // probability times its factor, as rounding a product is monotone in the probability.
+      double top_lo = 0.0, top_hi = 0.0;
+      auto tops = [&]() {
+        top_lo = top_hi = 0.0;
+        for (int64_t r = 0; r < R; ++r) {
+          const double* srow = S + r * L + t0;
+          const uint8_t* e = ex.data() + r * L + t0;
+          double me = 0.0, ma = 0.0;
+          if (span == 1)  // the paper's rule: one token
+            (e[0] ? me : ma) = srow[0];
+          else
+            largest_by_kind(srow, e, span, me, ma);
+          top_hi = std::max(top_hi, std::max(me * hi_e[r], ma * hi_a[r]));
+          top_lo = std::max(top_lo, std::max(me * lo_e[r], ma * lo_a[r]));
+        }
+      };
+      tops();
+      uint8_t w;
+      auto decided = [&]() {
+        if (top_hi == 0.0) {
+          w = width(float(NO_CONTRIBUTION));
+          return true;
+        }
+        const uint8_t narrow = width(float(g_hi) - float(floor_log2(top_lo)));
+        w = width(float(g_lo) - float(floor_log2(top_hi)));
+        return w == narrow;
+      };
+      if (!decided()) {
+        if (!rescore(t0, span)) return false;
+        tops();
+        if (!decided()) return false;
+        }
+      std::fill(wv + t0, wv + t0 + span, w);
+      t0 += span;
+    }
+    if (rule.value_block == 0) widest_per_block(wv, nv, rule.v_block);
+    return true;
+  };
+  bool decided = widths();
+  if (!decided && again) {
+    o_bounds();
+    decided = widths();
   }
-  if (rule.value_block == 0) widest_per_block(wv, nv, rule.v_block);
-  return true;
+  if (decided && tightened) ++rescored_items;
+  return decided;
 }
 
 // AlignedKV's whole step for one (batch row, KV head): the rule's scores in fp64 over the keys read
@@ -1635,7 +1704,7 @@ std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P,
 }
 
 std::tuple<int64_t, int64_t, int64_t> aligned_rule_counts() {
-  return {fast_items.load(), exact_items.load(), rescored_units.load()};
+  return {fast_items.load(), exact_items.load(), rescored_items.load()};
 }
 
 at::Tensor planes_read_keys(const PlaneArgs& a, int64_t B, int64_t H, int D) {

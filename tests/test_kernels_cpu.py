@@ -432,10 +432,10 @@ def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, ru
 @pytest.mark.parametrize("hq,hkv,d,length", [(4, 4, 128, 1100), (6, 2, 64, 1500)])
 def test_rule_from_fp32_rescores_the_units_its_bounds_leave_open(built, threads, hq, hkv, d, length, rule):
     """Where the fp32 scores' bounds leave a unit's width open (a 16-token group of the paper's rule, a value block
-    of the block rule), the fp32 path rescores that unit's tokens in fp64 and tests it again before sending the
-    item to fp64: with ``k_absmax`` inflated 1-256x (wider bounds, so more units open) the widths stay
-    ``exact_scores``' and the outputs close to them, and some units are decided that way
-    (``aligned_rescored_units``). Keys as fig_latency's (log-normal channel scales, two outlier channels)."""
+    of the block rule), the fp32 path rescores the item's heavy keys and that unit's tokens in fp64 and tests it
+    again before sending the item to fp64: with ``k_absmax`` inflated 1-256x (wider bounds, so more units open)
+    the widths stay ``exact_scores``' and the outputs close to them, and some items are decided that way
+    (``aligned_rescored_items``). Keys as fig_latency's (log-normal channel scales, two outlier channels)."""
     from kvquant.alignment import high_byte_values
     from kvquant.formats.planes import PlaneStore
 
@@ -455,9 +455,9 @@ def test_rule_from_fp32_rescores_the_units_its_bounds_leave_open(built, threads,
     k_absmax, rescored = store.k_absmax.clone(), 0
     for inflation in (1, 4, 16, 64, 256):
         store.k_absmax = k_absmax * inflation
-        before = kernels_cpu.aligned_rescored_units()
+        before = kernels_cpu.aligned_rescored_items()
         out, wv = kernels_cpu.attend_aligned(q, store, **kw)
-        rescored += kernels_cpu.aligned_rescored_units() - before
+        rescored += kernels_cpu.aligned_rescored_items() - before
         exact_out, exact_wv = kernels_cpu.attend_aligned(q, store, exact_scores=True, **kw)
         assert torch.equal(wv, exact_wv), inflation
         assert_close(out, exact_out.double())
