@@ -979,11 +979,6 @@ struct Widths16 {
   }
 };
 
-// Counts of items decided from fp32 scores, of those that needed the fp64 path, and of the fp32 ones decided only
-// after rule_from_fp32 rescored some of their keys in fp64 where the bounds left a width open
-// (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
-std::atomic<int64_t> fast_items{0}, exact_items{0}, rescored_items{0};
-
 // rule_from_fp32's width loop for the paper's rule (one width per token), 16 tokens at a time: the gaps by
 // least_gaps16 and each token's largest probability at both ends in vectors, the same widths and the same
 // test. A group with a token whose width differs between the ends has its tokens rescored in fp64
@@ -1097,6 +1092,11 @@ inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64
   return 1;
 }
 #endif
+
+// Counts of items decided from fp32 scores, of those that needed the fp64 path, and of the fp32 ones decided only
+// after rule_from_fp32 rescored some of their keys in fp64 where the bounds left a width open
+// (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
+std::atomic<int64_t> fast_items{0}, exact_items{0}, rescored_items{0};
 
 // The value rule (the paper's per token, kvquant.alignment.value_widths, or the block rule,
 // block_value_widths) decided from fp32 scores where that provably gives the fp64 path's widths; false (and
