@@ -21,9 +21,9 @@ constexpr int KB = 64;  // tokens per key block (kvquant.alignment.BLOCK)
 constexpr int32_t ZERO_EXPONENT = -1024;      // kvquant.bits.ZERO_EXPONENT: floor_log2 of 0
 constexpr int32_t NO_CONTRIBUTION = 1 << 20;  // kvquant.alignment.NO_CONTRIBUTION: the gap of an unread token
 constexpr int PFB = 2;                        // key blocks prefetched ahead (PF tokens)
-constexpr int PFW = 256;
+constexpr int PFW = 256;  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
 constexpr int64_t RESCORE_TOKENS = 512;  // block tokens rule_from_fp32 may rescore in fp64 per item
-constexpr double HEAVY = 0x1p-7;          // a probability whose key it rescores once an item has an open unit  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
+constexpr double HEAVY = 0x1p-7;          // a probability whose key it rescores once an item has an open unit
 constexpr int PFE = 2;    // groups of 16 exponent rows prefetched ahead by the block rule's (block_widths16)
 constexpr int PF1 = 16;  // value rows' plane A also prefetched this many tokens ahead into L1 (its loads then hit L1)
 
@@ -982,9 +982,9 @@ struct Widths16 {
 // rule_from_fp32's width loop for the paper's rule (one width per token), 16 tokens at a time: the gaps by
 // least_gaps16 and each token's largest probability at both ends in vectors, the same widths and the same
 // test. A group with a token whose width differs between the ends has its tokens rescored in fp64
-// (rescore(t0, 16), where O_est's exponents are alike at both ends) and is tested again; still open, or
-// not rescored, it sends the item to fp64: false with *undecided. False without writing where it does not
-// apply (D not a multiple of 64, O_est's offsets outside least_gaps16's range).
+// (rescore(t0, 16): rule_from_fp32's, which may refuse) and is tested again; still open, or not rescored, it
+// ends the loop: false with *undecided. False without writing where it does not apply (D not a multiple of
+// 64, O_est's offsets outside least_gaps16's range).
 template <class Rescore>
 inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t b, int64_t h,
                            const std::vector<int16_t>& o_lo, const std::vector<int16_t>& o_hi, bool one_o,
@@ -1021,7 +1021,7 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
     tops();
     __m128i w;
     if (!decide(g_lo, g_hi, top_hi, top_lo, &w)) {
-      const bool narrowed = rescore(t0, 16);  // false where O_est's exponents differ at the ends, among others
+      const bool narrowed = rescore(t0, 16);
       if (narrowed) tops();
       if (!narrowed || !decide(g_lo, g_hi, top_hi, top_lo, &w)) {
         *undecided = true;
@@ -1449,7 +1449,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
         if (!rescore(t0, span)) return false;
         tops();
         if (!decided()) return false;
-        }
+      }
       std::fill(wv + t0, wv + t0 + span, w);
       t0 += span;
     }
