@@ -22,7 +22,7 @@ constexpr int32_t ZERO_EXPONENT = -1024;      // kvquant.bits.ZERO_EXPONENT: flo
 constexpr int32_t NO_CONTRIBUTION = 1 << 20;  // kvquant.alignment.NO_CONTRIBUTION: the gap of an unread token
 constexpr int PFB = 2;                        // key blocks prefetched ahead (PF tokens)
 constexpr int PFW = 256;  // plane-A rows prefetched ahead by the paper rule's width loop (token_widths16)
-constexpr int64_t RESCORE_TOKENS = 512;  // block tokens rule_from_fp32 may rescore in fp64 per item
+constexpr int64_t RESCORE_BUDGET = 512;  // (key, query row) scores rule_from_fp32 may redo in fp64 per item
 constexpr double HEAVY = 0x1p-7;          // a probability whose key it rescores once an item has an open unit
 constexpr int PFE = 2;    // groups of 16 exponent rows prefetched ahead by the block rule's (block_widths16)
 constexpr int PF1 = 16;  // value rows' plane A also prefetched this many tokens ahead into L1 (its loads then hit L1)
@@ -1306,7 +1306,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   // again with them as fp64 addends: where a few keys hold most of the attention (sinks), the sum's interval,
   // which every probability's bounds carry, narrows as much; where O_est's exponents differed between the ends
   // (no gap to test a unit against), O_est's bounds are taken again with the narrower factors and the widths
-  // decided again from the first unit (`again`). A budget of RESCORE_TOKENS keeps an item whose bounds are
+  // decided again from the first unit (`again`). A budget of RESCORE_BUDGET keeps an item whose bounds are
   // wide everywhere from scoring most of its keys twice: past it, the item goes to fp64 whole.
   int64_t rescored = 0;
   bool again = false;
@@ -1328,7 +1328,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
       int64_t n = 0;
       for (int64_t t = 0; t < nv; ++t) {
         if (e[t] || srow[t] < HEAVY) continue;
-        if (++n + rescored > RESCORE_TOKENS) return false;
+        if (++n + rescored > RESCORE_BUDGET) return false;
         double x;
         if (!exact_key(r, t, x)) return false;
         was += srow[t] * z_r[r];
@@ -1359,7 +1359,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     }
     if (!one_o) return false;
     const int64_t end = std::min(t0 + n, nv);
-    if ((rescored += end - t0) > RESCORE_TOKENS) return false;
+    if ((rescored += (end - t0) * R) > RESCORE_BUDGET) return false;
     for (int64_t r = 0; r < R; ++r) {
       if (mx_r[r] == -INFINITY) continue;  // no key seen: every probability 0
       for (int64_t t = t0; t < end; ++t) {
