@@ -1128,6 +1128,10 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     if (!std::isfinite(dl[r])) return false;
   }
   thread_local std::vector<uint8_t> ex;  // 1 where S holds an fp64 score (tail, rescored, masked)
+  auto fp64_score = [&](int64_t r, int64_t t) {  // block token t's scaled, masked score in fp64 (unmasked keys only)
+    const double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
+    return P.has_mask ? P.mask.apply(moff[r] + t * P.mask.st, y) : y;
+  };
   ex.assign(static_cast<size_t>(R * L), 0);
   alignas(64) float buf[SB * DMAX];
   alignas(64) float dots[4 * BT];
@@ -1226,9 +1230,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
           const int64_t j = j0 + __builtin_ctzll(bits), t = t0 + j;
           if (count[j] < 2) continue;
           if (!e[t]) {  // its fp64 score (block tokens only; the tail is fp64 already)
-            double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
-            if (P.has_mask && P.mask.b == nullptr) y += double(P.mask.f[moff[r] + t * P.mask.st]);
-            srow[t] = y;
+            srow[t] = fp64_score(r, t);
             e[t] = 1;
           }
           if (t != id[j] && srow[t] > srow[id[j]]) id[j] = t;  // first on ties, as the exact path's strict >
@@ -1311,9 +1313,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   int64_t rescored = 0;
   bool again = false;
   auto exact_key = [&](int64_t r, int64_t t, double& e) -> bool {  // false: near underflow
-    double y = plane_key_score(f.s, b, h, t, q[r], D, rule.scaling);
-    if (P.has_mask) y = P.mask.apply(moff[r] + t * P.mask.st, y);
-    const double shifted = y - mx_r[r];
+    const double shifted = fp64_score(r, t) - mx_r[r];
     e = std::exp(shifted);
     return !(e < 0x1p-1000 && shifted > -760.0);  // as the softmax's test
   };
