@@ -14,6 +14,7 @@ from __future__ import annotations
 from kernels_cpu.coded import aquakv_encode, aquakv_reconstruct, attend_aquakv, attend_higgs
 from kernels_cpu.loader import Status, build, build_dir, status
 from kernels_cpu.ops import (
+    aligned_bound_units,
     aligned_rescored_items,
     aligned_rule_counts,
     attend_aligned,
@@ -29,6 +30,7 @@ from kernels_cpu.ops import (
 
 __all__ = [
     "Status",
+    "aligned_bound_units",
     "aligned_rescored_items",
     "aligned_rule_counts",
     "aquakv_encode",

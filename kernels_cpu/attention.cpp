@@ -197,16 +197,24 @@ Bytes widths(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_
                   (!keys || t.size(3) == D),
               name, " must be [", B, ", ", H, ", ", n, keys ? ", D]" : "]", " (or 1 along dim 2), got ", t.sizes());
   const Bytes w{t.data_ptr<uint8_t>(), t.stride(0), t.stride(1), t.size(2) == 1 ? 0 : t.stride(2)};
-  const int64_t inner = keys ? D : 1, si = keys ? t.stride(3) : 0;
-  bool bad = false;  // a width the loaders have no read for
+  // Rows of contiguous bytes: a key row's D channels (stride 1), or a head's n value widths (stride 1 along
+  // tokens); else one byte at a time. Why: AlignedKV+'s key widths are a byte per block and channel (1 MiB a
+  // step at 32 heads x 16K), which the byte-at-a-time loop took ~0.5 ms to check.
+  const int64_t si = keys ? t.stride(3) : 0;
+  const bool rows = keys ? si == 1 : w.s2 == 1;
+  const int64_t per_row = rows ? (keys ? D : t.size(2)) : 1, n_rows = keys || !rows ? t.size(2) : 1;
+  const int64_t inner = keys ? D : 1;
+  uint8_t odd = 0;  // a width the loaders have no read for
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < t.size(2); ++i)
-        for (int64_t c = 0; c < inner; ++c) {
-          const uint8_t x = w.at(b, h, i)[c * si];
-          bad |= x != 8 && x != 12 && x != 16;
-        }
-  TORCH_CHECK(!bad, name, ": plane reads take widths 8, 12 or 16");
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const uint8_t* row = w.at(b, h, i);
+        if (rows)
+          for (int64_t c = 0; c < per_row; ++c) odd |= uint8_t(row[c] != 8) & uint8_t(row[c] != 12) & uint8_t(row[c] != 16);
+        else
+          for (int64_t c = 0; c < inner; ++c) odd |= uint8_t(row[c * si] != 8 && row[c * si] != 12 && row[c * si] != 16);
+      }
+  TORCH_CHECK(odd == 0, name, ": plane reads take widths 8, 12 or 16");
   return w;
 }
 
@@ -275,7 +283,8 @@ std::tuple<at::Tensor, at::Tensor> attend_aligned(const at::Tensor& q, const Opt
                                                   const at::Tensor& tail_v, bool tiny_k, bool tiny_v, const Opt& mask,
                                                   double scaling, const at::Tensor& v8, double t12, double t8,
                                                   int64_t topk, int64_t v_block, const Opt& v_exp,
-                                                  int64_t value_block, const Opt& k_absmax, bool exact_scores) {
+                                                  int64_t value_block, const Opt& v_exp_max, const Opt& k_absmax,
+                                                  bool exact_scores) {
   using namespace kvq;
   const int64_t B = q.size(0), Hkv = tail_k.size(1), D = q.size(3);
   PlaneArgs a = plane_store(B, Hkv, D, k_a, k_b, k_c, k_widths, tail_k, v_a, v_b, v_c, tail_v, tiny_k, tiny_v);
@@ -299,6 +308,16 @@ std::tuple<at::Tensor, at::Tensor> attend_aligned(const at::Tensor& q, const Opt
                 "] with a contiguous last dim, got ", e.scalar_type(), " ", e.sizes());
     rule.value_block = value_block;
     rule.v_exp = Bytes{e.data_ptr<uint8_t>(), e.stride(0), e.stride(1), e.stride(2)};
+  }
+  if (v_exp_max.has_value() && a.nb) {
+    const at::Tensor& m = *v_exp_max;
+    TORCH_CHECK(m.scalar_type() == at::kByte && m.dim() == 3 && m.size(0) == B && m.size(1) == Hkv &&
+                    m.size(2) == D && m.stride(2) == 1,
+                "aligned: v_exp_max must be uint8 [", B, ", ", Hkv, ", ", D, "] with a contiguous last dim, got ",
+                m.scalar_type(), " ", m.sizes());
+    rule.v_exp_max = m.data_ptr<uint8_t>();
+    rule.vem_b = m.stride(0);
+    rule.vem_h = m.stride(1);
   }
   rule.exact_scores = exact_scores;
   if (k_absmax.has_value()) {
@@ -811,7 +830,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_planes", &attend_planes, "fused attention over AlignedKV's planes at given widths");
   m.def("attend_aligned", &attend_aligned, "AlignedKV's value rule in fp64 and attention at its widths, one call");
   m.def("aligned_rule_counts", &kvq::aligned_rule_counts,
-        "items decided from fp32 / fp64 scores, and fp32 ones that rescored some keys in fp64 first");
+        "items decided from fp32 / fp64 scores, fp32 ones that rescored some keys in fp64 first, and value blocks "
+        "settled from v_exp_max");
   m.def("exponent_gaps", &exponent_gaps, "min over channels of e_o - the exponent field of plane A, per token");
   m.def("key_widths", &key_widths, "AlignedKV's key rule for one step (per column, or per block with k_exp), uint8");
   m.def("width_counts", &width_counts, "per KV head counts of the widths read in a window, int64 [2, H, 3]");

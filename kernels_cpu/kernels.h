@@ -859,6 +859,11 @@ struct AlignedRule {
   // value_block tokens and channel, the largest exponent field of plane A, v_exp [B, H, nb*64/value_block, D].
   int64_t value_block = 0;
   Bytes v_exp;
+  // Each channel's largest plane-A exponent field over every stored token ([B, H, D], PlaneStore.v_exp_max; may
+  // be null): a bound on any block's v_exp byte and any token's field, so a run of units whose largest
+  // probability is small enough reads 8 bits without those being read.
+  const uint8_t* v_exp_max = nullptr;
+  int64_t vem_b = 0, vem_h = 0;
   // The rule decides from fp32 scores within proven bounds (planes.cpp, rule_from_fp32), which
   // need each channel's max |K| (fp16 [B, H, D], kvquant's PlaneStore.k_absmax); without it, or with
   // exact_scores, every score is fp64.
@@ -900,7 +905,7 @@ struct WidthCountArgs {
   bool per_block = false;
 };
 at::Tensor planes_width_counts(const WidthCountArgs& a);
-std::tuple<int64_t, int64_t, int64_t> aligned_rule_counts();
+std::tuple<int64_t, int64_t, int64_t, int64_t> aligned_rule_counts();
 std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P, const AlignedRule& rule);
 at::Tensor planes_exponent_gaps(const int16_t* e_o, int64_t eb, int64_t eh, const Bytes& v, int64_t B, int64_t H,
                                 int64_t L, int D);

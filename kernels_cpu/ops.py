@@ -144,7 +144,9 @@ def attend_aligned(
     (``kvquant.alignment.high_byte_values``); ``v_thresholds`` ``(t12, t8)``. ``store`` as
     ``attend_planes``'; ``v_widths`` int32 ``[B, Hkv, nb·64]`` (the block tokens). ``block_rule``: the
     block-bound rule (``kvquant.alignment.block_value_widths``) from the store's ``v_exp`` per
-    ``value_block`` tokens instead of the paper's per-token gaps. Either rule decides from fp32 scores where
+    ``value_block`` tokens instead of the paper's per-token gaps. Runs of units (blocks, tokens) that the store's
+    ``v_exp_max`` (a bound on every exponent field) already puts at 8 bits are settled without reading their
+    bytes (``aligned_bound_units``; the same widths). Either rule decides from fp32 scores where
     their error bounds (from the store's ``k_absmax``) prove the fp64 widths, and rescores in fp64 elsewhere
     (``exact_scores``: always; ``aligned_rule_counts`` tells how often). A multi-token step needs its mask
     (the rule reads no causal limit)."""
@@ -152,6 +154,7 @@ def attend_aligned(
     values = (store.v_a, store.v_b, store.v_c, store.tail_v, bool(store.tiny_k), bool(store.tiny_v))
     rule = (v8.float().contiguous(), float(v_thresholds[0]), float(v_thresholds[1]), int(topk), int(v_block))
     rule += (store.v_exp, int(store.value_block)) if block_rule else (None, 0)
+    rule += (store.v_exp_max,)
     rule += (store.k_absmax, bool(exact_scores))
     out, wv = call("attend_aligned", q, (*keys, *values), mask, length, _scaling(scaling, q), *rule)
     return as_query(out, q), wv.to(torch.int32)
@@ -160,7 +163,7 @@ def attend_aligned(
 def aligned_rule_counts() -> tuple[int, int]:
     """``(fp32, fp64)``: ``attend_aligned``'s (KV head, batch row) items this process decided from fp32 scores within
     their bounds, and those the bounds could not decide (rescored in fp64)."""
-    fast, exact, _ = module().aligned_rule_counts()
+    fast, exact, _, _ = module().aligned_rule_counts()
     return int(fast), int(exact)
 
 
@@ -168,6 +171,13 @@ def aligned_rescored_items() -> int:
     """How many of ``aligned_rule_counts``' fp32 items (this process) were decided only after rescoring some of
     their keys in fp64 where the fp32 bounds left a width open (before, each would have gone to fp64 whole)."""
     return int(module().aligned_rule_counts()[2])
+
+
+def aligned_bound_units() -> int:
+    """How many value units (the block rule's blocks, the paper's rule's tokens) ``attend_aligned`` (this process)
+    settled at 8 bits from the store's ``v_exp_max`` alone, without reading their own exponent bytes or plane-A
+    fields (the widths are the same either way)."""
+    return int(module().aligned_rule_counts()[3])
 
 
 def key_widths(

@@ -984,20 +984,25 @@ struct Widths16 {
 // test. A group with a token whose width differs between the ends has its tokens rescored in fp64
 // (rescore(t0, 16): rule_from_fp32's, which may refuse) and is tested again; still open, or not rescored, it
 // ends the loop: false with *undecided. False without writing where it does not apply (D not a multiple of
-// 64, O_est's offsets outside least_gaps16's range).
-template <class Rescore>
+// 64, O_est's offsets outside least_gaps16's range). Each 64-token block is first offered to settle(t0, 64)
+// (rule_from_fp32's: true where v_exp_max puts all of it at 8 bits, written; its rows then go unread).
+template <class Rescore, class Settle>
 inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t b, int64_t h,
                            const std::vector<int16_t>& o_lo, const std::vector<int16_t>& o_hi, bool one_o,
                            const double* S, const uint8_t* ex, int64_t L, int64_t R, int D,
                            const std::vector<double>& hi_e, const std::vector<double>& hi_a,
                            const std::vector<double>& lo_e, const std::vector<double>& lo_a, uint8_t* wv,
-                           bool* undecided, const Rescore& rescore) {
+                           bool* undecided, const Rescore& rescore, const Settle& settle) {
   *undecided = false;
   alignas(64) int8_t lo8[DMAX], hi8[DMAX];
   if (D % 64 != 0 || !gap_offsets8(o_lo, o_hi, D, lo8, hi8)) return false;
   const int64_t nv = s.nb * KB;
   const Widths16 decide(rule);
   for (int64_t t0 = 0; t0 < nv; t0 += 16) {
+    if (t0 % KB == 0 && settle(t0, KB)) {
+      t0 += KB - 16;
+      continue;
+    }
     const uint8_t* rows = s.va.at(b, h, t0);
     if (t0 + PFW + 16 <= nv)  // the rows PFW tokens ahead into L2: without it the loop waited on them
       for (int i = 0; i < 16; ++i)
@@ -1097,6 +1102,9 @@ inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64
 // after rule_from_fp32 rescored some of their keys in fp64 where the bounds left a width open
 // (kernels_cpu.aligned_rule_counts): how often the guard band below was too narrow to decide.
 std::atomic<int64_t> fast_items{0}, exact_items{0}, rescored_items{0};
+// Value units (the block rule's blocks, the paper's rule's tokens) that rule_from_fp32 settled at 8 bits from
+// v_exp_max, their own exponent bytes or plane-A fields unread.
+std::atomic<int64_t> bound_units{0};
 
 // The value rule (the paper's per token, kvquant.alignment.value_widths, or the block rule,
 // block_value_widths) decided from fp32 scores where that provably gives the fp64 path's widths; false (and
@@ -1372,14 +1380,37 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     }
     return true;
   };
+  // A run of units whose largest probability (either kind's factor), against the gap of v_exp_max (the least
+  // gap any of its units can have), still gives 8 bits: every unit of it reads 8 at both ends (a unit's own gap
+  // is no smaller, its probability no larger, and an unread unit reads 8 too), settled without reading its
+  // exponent bytes or plane-A fields. Why: those are 1 bit per value element at v_block 8 and the paper's rule
+  // reads plane A whole for them (SV reads it again), while on spread attention most runs are far from 12 bits.
+  const uint8_t* v_max = rule.v_exp_max ? rule.v_exp_max + b * rule.vem_b + h * rule.vem_h : nullptr;
+  const bool by_bound = v_max != nullptr && width(float(NO_CONTRIBUTION)) == 8;
+  int16_t g_bound = 0;
+  int64_t settled = 0;
+  auto settle = [&](int64_t t0, int64_t n) -> bool {  // tokens t0 .. t0 + n (whole units): 8 bits, or false
+    if (!by_bound) return false;
+    double top = 0.0;
+    for (int64_t r = 0; r < R; ++r) top = std::max(top, max_of(S + r * L + t0, n) * std::max(hi_e[r], hi_a[r]));
+    if (top != 0.0 && width(float(g_bound) - float(floor_log2(top))) != 8) return false;
+    std::memset(wv + t0, 8, size_t(n));
+    settled += n / span;
+    return true;
+  };
   auto widths = [&]() -> bool {  // every unit's width; false where one stays open
+    settled = 0;
+    if (by_bound) g_bound = least_gap<false>(o_lo.data(), v_max, D);
 #if KVQ_AVX512
     if (rule.value_block == 0) {
       bool undecided = false;
       if (token_widths16(f.s, rule, b, h, o_lo, o_hi, one_o, S, ex.data(), L, R, D, hi_e, hi_a, lo_e, lo_a, wv,
-                         &undecided, rescore))
+                         &undecided, rescore, settle)) {
+        bound_units += settled;
         return true;
+      }
       if (undecided) return false;
+      settled = 0;
     }
     alignas(64) int8_t lo8[DMAX], hi8[DMAX];
     const bool blocks16 = rule.value_block > 0 && rule.value_block % 8 == 0 && D % 64 == 0 &&
@@ -1388,6 +1419,11 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
 #endif
     int64_t by_unit = 0;  // the scalar loop below takes the units before this token (a group left open)
     for (int64_t t0 = 0; t0 < nv;) {
+      const int64_t run = std::min<int64_t>(16 * span, nv - t0);
+      if (t0 >= by_unit && settle(t0, run)) {
+        t0 += run;
+        continue;
+      }
 #if KVQ_AVX512
       if (blocks16 && t0 >= by_unit && t0 + 16 * span <= nv) {
         const int done =
@@ -1454,6 +1490,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
       t0 += span;
     }
     if (rule.value_block == 0) widest_per_block(wv, nv, rule.v_block);
+    bound_units += settled;
     return true;
   };
   bool decided = widths();
@@ -1703,8 +1740,8 @@ std::tuple<at::Tensor, at::Tensor> planes_aligned(PlaneArgs a, const Problem& P,
   return {out, wv};
 }
 
-std::tuple<int64_t, int64_t, int64_t> aligned_rule_counts() {
-  return {fast_items.load(), exact_items.load(), rescored_items.load()};
+std::tuple<int64_t, int64_t, int64_t, int64_t> aligned_rule_counts() {
+  return {fast_items.load(), exact_items.load(), rescored_items.load(), bound_units.load()};
 }
 
 at::Tensor planes_read_keys(const PlaneArgs& a, int64_t B, int64_t H, int D) {

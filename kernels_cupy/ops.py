@@ -135,6 +135,7 @@ def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
         for name, tensor in planes.items():
             old = getattr(store, name)
             setattr(store, name, tensor if old is None else torch.cat([old, tensor], dim=2))
+        store.fold_v_exp_max(planes["v_a"])
     if full or not owned:
         contiguous = torch.contiguous_format
         chunk_k = chunk_k[:, :, full:].clone(memory_format=contiguous)

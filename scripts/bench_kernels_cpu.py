@@ -218,11 +218,13 @@ def planes_inputs(
 
 def rule_widths(q: torch.Tensor, store, v_block: int, value_rule: str = "token", blockwise: bool = False):
     """The rules' widths for one decode step, as the cpu backend's unfused path decides them
-    (``kvquant.formats.planes.decide_widths`` with the keys and exponent gaps read in C++)."""
+    (``kvquant.formats.planes.decide_widths`` with the keys and exponent gaps read in C++), as uint8, the
+    kernels' type (the cpu backend's ``key_widths`` gives uint8; int32 would be converted in every timed call:
+    for AlignedKV+'s per-block key widths 1 MiB at 32 heads x 16K)."""
     store.visible = store.n_tokens
     rule = AlignedRule(v_block=v_block, value_rule=value_rule, blockwise=blockwise)
     _, wk, wv = decide_widths(store, rule, q, None, q.shape[-1] ** -0.5, plane_keys)
-    return wk, wv
+    return wk.to(torch.uint8), wv.to(torch.uint8)
 
 
 def bits_read(store, wk: torch.Tensor | int, wv: torch.Tensor | int) -> float:

@@ -316,6 +316,32 @@ def test_block_rule_exponent_bytes_are_the_blocks_largest_fields():
         PlaneStore(value_block=48).append(torch.zeros(1, 1, 1, 8).half(), torch.zeros(1, 1, 1, 8).half())
 
 
+def test_v_exp_max_is_a_running_bound_on_every_blocks_exponent_bytes():
+    """``v_exp_max`` (what lets the CPU kernel settle runs of blocks without their bytes) is each channel's
+    largest exponent byte over the blocks stored, appended in pieces that fill blocks unevenly; after a
+    sliding layer drops blocks it stays the running max, so still a bound; it moves with a beam reorder."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 3, 300, 16, generator=g).half()
+    v = (torch.randn(2, 3, 300, 16, generator=g) * torch.logspace(3, -3, 300).view(1, 1, 300, 1)).half()
+    store = PlaneStore(value_block=8)
+    assert store.v_exp_max is None
+    for start, stop in ((0, 70), (70, 71), (71, 200), (200, 300)):
+        store.append(k[:, :, start:stop], v[:, :, start:stop])
+        if store.v_exp is not None:
+            assert torch.equal(store.v_exp_max, store.v_exp.amax(2))
+    assert store.v_exp.shape[2] == 256 // 8
+    full = store.v_exp_max.clone()
+    store.drop_blocks(2)
+    assert torch.equal(store.v_exp_max, full) and bool((store.v_exp_max >= store.v_exp.amax(2)).all())
+    assert not torch.equal(store.v_exp_max, store.v_exp.amax(2))  # the largest values were in the dropped blocks
+    store.map_tensors(lambda t: t[[1, 0]])
+    assert torch.equal(store.v_exp_max, full[[1, 0]])
+    assert PlaneStore().v_exp_max is None
+    paper = PlaneStore()  # the paper's rule keeps no v_exp, but its fields have the same bound
+    paper.append(k, v)
+    assert torch.equal(paper.v_exp_max, ((paper.v_a >> 2) & 0x1F).amax(2))
+
+
 def test_block_rule_on_real_values_reads_fewer_bits_than_16_and_no_fewer_than_the_paper(stories):
     """stories260K's values after a 300-token prompt: the block rule stays between the paper's widths and 16."""
     from kvquant.analysis.capture import capture_kv

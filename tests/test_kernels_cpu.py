@@ -464,6 +464,48 @@ def test_rule_from_fp32_rescores_the_units_its_bounds_leave_open(built, threads,
     assert rescored >= 1
 
 
+@pytest.mark.parametrize("v_block", [0, 8, 16, 32])
+@pytest.mark.parametrize("hq,hkv,d,length", [(4, 4, 128, 4096), (6, 2, 64, 2100), (3, 1, 96, 1500)])
+def test_value_rules_settle_runs_of_units_from_v_exp_max(built, threads, hq, hkv, d, length, v_block):
+    """Runs of value units (16 blocks of the block rule at ``v_block``; 64 tokens of the paper's rule, ``v_block``
+    0 here) whose largest probability, against the gap of ``v_exp_max`` (every channel's largest exponent field),
+    still gives 8 bits are settled at 8 without reading their fields: the widths and outputs are those without
+    ``v_exp_max`` (and ``exact_scores``'), and on spread attention with sinks (as the ``--planes`` bench's K/V)
+    some units are settled that way (``aligned_bound_units``). A bound that is not one (every field 0) settles
+    units the rule reads wider, so the kernel does read it."""
+    from kvquant.alignment import high_byte_values
+    from kvquant.formats.planes import PlaneStore
+
+    g = torch.Generator().manual_seed(d + v_block)
+    scale = 2.0 ** (torch.rand(d, generator=g) * 4 - 2)
+    k = torch.randn(1, hkv, length, d, generator=g) * scale
+    v = torch.randn(1, hkv, length, d, generator=g)
+    q = torch.randn(1, hq, 1, d, generator=g) * 2.5 * d**0.25 / scale.square().mean().sqrt()
+    direction = q.view(1, hkv, hq // hkv, d).mean(2)
+    k[:, :, :4] = (direction / direction.norm(dim=-1, keepdim=True) * 3 * d**0.5).unsqueeze(2)  # attention sinks
+    store = PlaneStore(value_block=v_block)
+    store.append(k.half(), v.half())
+    v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
+    kw = dict(k_widths=torch.full((1, hkv, d), 12, dtype=torch.uint8), v8=v8, v_thresholds=(4.0, 8.0), topk=32)
+    kw |= dict(v_block=v_block or 1, block_rule=v_block > 0)
+    assert torch.equal(store.v_exp_max, ((store.v_a >> 2) & 0x1F).amax(2))
+    before = kernels_cpu.aligned_bound_units()
+    out, wv = kernels_cpu.attend_aligned(q, store, **kw)
+    settled = kernels_cpu.aligned_bound_units() - before
+    bound, store.v_exp_max = store.v_exp_max, None
+    plain_out, plain_wv = kernels_cpu.attend_aligned(q, store, **kw)
+    exact_out, exact_wv = kernels_cpu.attend_aligned(q, store, exact_scores=True, **kw)
+    assert kernels_cpu.aligned_bound_units() - before == settled  # nothing settled without the bound
+    assert torch.equal(wv, plain_wv) and torch.equal(wv, exact_wv)
+    assert torch.equal(out, plain_out)
+    assert_close(out, exact_out.double())
+    assert 0 < settled < wv.numel() // (v_block or 1)
+    assert (wv > 8).any()
+    store.v_exp_max = torch.zeros_like(bound)
+    _, wrong = kernels_cpu.attend_aligned(q, store, **kw)
+    assert not torch.equal(wrong, wv) and bool((wrong <= wv).all())
+
+
 @pytest.mark.parametrize("rule", ["paper", "block"])
 @pytest.mark.parametrize("hq,hkv,d", [(2, 2, 128), (8, 2, 64), (6, 1, 96)])
 def test_rule_from_fp32_scores_resolves_tied_and_near_tied_class_leaders(built, threads, hq, hkv, d, rule):
@@ -675,6 +717,15 @@ def test_planes_bad_arguments_raise_one_line(built):
         kernels_cpu.attend_planes(q, store, k_widths=10, v_widths=8)
     with pytest.raises(RuntimeError, match="widths 8, 12 or 16"):
         kernels_cpu.attend_planes(q, store, k_widths=8, v_widths=torch.full((1, 2, 128), 9))
+    per_block = torch.full((1, 2, 2, 16), 12, dtype=torch.uint8)  # AlignedKV+'s: a row per block, checked by rows
+    per_block[0, 1, 1, 15] = 4
+    for widths in (per_block, per_block.transpose(2, 3).contiguous().transpose(2, 3)):  # contiguous, strided
+        with pytest.raises(RuntimeError, match="widths 8, 12 or 16"):
+            kernels_cpu.attend_planes(q, store, k_widths=widths, v_widths=8)
+    late = torch.full((1, 2, 128), 8, dtype=torch.uint8)
+    late[0, 1, 127] = 0
+    with pytest.raises(RuntimeError, match="widths 8, 12 or 16"):
+        kernels_cpu.attend_planes(q, store, k_widths=8, v_widths=late)
     with pytest.raises(RuntimeError, match="must hold 128 tokens"):
         kernels_cpu.attend_planes(q, dataclasses.replace(store, v_a=store.v_a[:, :, :64]), k_widths=8, v_widths=8)
     with pytest.raises(RuntimeError, match="keep_bits must be in 6..16"):

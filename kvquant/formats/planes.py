@@ -103,7 +103,9 @@ class PlaneStore(FormatState):
     K: channel-major blocks of ``BLOCK`` tokens, planes ``k_a [b, h, blocks, d, 64]`` and
     nibble-packed ``k_b``/``k_c [b, h, blocks, d, 32]``. V: token-major, ``v_a [b, h, n, d]``,
     ``v_b``/``v_c [b, h, n, d/2]``. The newest ``L mod 64`` tokens stay fp16 in ``tail_k``/``tail_v``
-    until a block fills. ``k_absmax`` is the running per-channel max of ``|K|`` (fp16).
+    until a block fills. ``k_absmax`` is the running per-channel max of ``|K|`` (fp16); ``v_exp_max``
+    ``[b, h, d]`` the running per-channel max of plane A's exponent fields (so of ``v_exp`` too), a bound that
+    lets the CPU kernel settle runs of value blocks or tokens at 8 bits without reading their fields.
     """
 
     k_a: torch.Tensor | None = None
@@ -122,6 +124,7 @@ class PlaneStore(FormatState):
     k_exp: torch.Tensor | None = None
     value_block: int = 0  # > 0: keep v_exp, the block-bound value rule's exponent bytes per value_block tokens
     v_exp: torch.Tensor | None = None
+    v_exp_max: torch.Tensor | None = None
     visible: int = 0  # the newest tokens this step's attention sees (a sliding layer's window)
     _empty: bool = field(default=True, repr=False)
 
@@ -139,6 +142,7 @@ class PlaneStore(FormatState):
         "k_absmax",
         "k_exp",
         "v_exp",
+        "v_exp_max",
     )
 
     def tensors_k(self) -> list[torch.Tensor | None]:
@@ -152,7 +156,7 @@ class PlaneStore(FormatState):
                 setattr(self, name, fn(tensor))
 
     def tensors_v(self) -> list[torch.Tensor | None]:
-        return [self.v_a, self.v_b, self.v_c, self.tail_v, self.v_exp]
+        return [self.v_a, self.v_b, self.v_c, self.tail_v, self.v_exp, self.v_exp_max]
 
     @property
     def first_visible(self) -> int:
@@ -192,7 +196,8 @@ class PlaneStore(FormatState):
 
     def drop_blocks(self, n_blocks: int) -> None:
         """Forget the oldest ``n_blocks`` whole blocks (a sliding-window layer's tokens no query can
-        see again); copies, so the dropped bytes are freed. ``k_absmax`` stays the running max."""
+        see again); copies, so the dropped bytes are freed. ``k_absmax`` and ``v_exp_max`` stay the running
+        maxima (bounds still)."""
         n_blocks = min(n_blocks, self.n_full // BLOCK)
         if n_blocks <= 0:
             return
@@ -220,6 +225,13 @@ class PlaneStore(FormatState):
         for name, tensor in zip(names, new, strict=True):
             old = getattr(self, name)
             setattr(self, name, tensor if old is None else torch.cat([old, tensor], dim=2))
+        self.fold_v_exp_max(new[3])
+
+    def fold_v_exp_max(self, v_a: torch.Tensor) -> None:
+        """Fold the exponent fields of newly stored plane-A values ``[b, h, n, d]`` into ``v_exp_max`` (every
+        append path calls it, so the bound never lags the fields the kernel would otherwise read)."""
+        top = ((v_a >> 2) & 0x1F).amax(dim=2)
+        self.v_exp_max = top if self.v_exp_max is None else torch.maximum(self.v_exp_max, top)
 
     def read_keys(self, widths: torch.Tensor | int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         """All keys ``[b, h, L, d]`` in ``dtype``; block tokens read at ``widths`` per (b, h, channel)
