@@ -3,7 +3,9 @@
 ``python tests/golden.py`` (from the repo root, after ``make setup``) records, for every registered
 method on 3 stories260k and 3 smollm2_135m prompts, the 64 greedy tokens, each step's top-2 margin
 (so a check can tell a near-tie from a real change) and the cache's bits stored/read, into
-``tests/data/golden_outputs.json``. ``tests/test_golden.py`` teacher-forces the recorded tokens
+``tests/data/golden_outputs.json``; ``python tests/golden.py MODEL... --methods a,b`` records only those methods of
+those models (a change that moves one method's bits on purpose), keeping every other recording.
+``tests/test_golden.py`` teacher-forces the recorded tokens
 through today's code and compares. AQUA-KV uses predictors calibrated here with a small, seeded
 setting (``CALIB``). stories260k's are recorded with the outputs (``tests/data/predictors/``): its tokens
 are checked at every firm margin, and a calibration's least-squares sums follow the BLAS code path
@@ -112,21 +114,23 @@ def bits_of(decoded) -> dict[str, float]:
     return {k: float(s[k]) for k in ("bits_stored", "bits_read", "bits_read_k", "bits_read_v")}
 
 
-def record(model_names: list[str], pred_root: Path) -> dict:
+def record(model_names: list[str], pred_root: Path, methods: list[str] | None = None) -> dict:
     import os
 
     from kvquant import get_method, load_model, method_names
     from kvquant.eval.fidelity import top2_margin
 
     os.environ["KVQUANT_PREDICTOR_DIR"] = str(pred_root)
+    names = methods or method_names()
 
     out: dict = {"new_tokens": NEW_TOKENS, "calib": {k: v for k, v in CALIB.items() if k != "log"}, "models": {}}
     for model_name in model_names:
         model, tok = load_model(model_name, device="cpu")
-        predictor_dir(model, tok, pred_root, recording=True)
+        if set(names) & set(NEEDS_PREDICTORS):
+            predictor_dir(model, tok, pred_root, recording=True)
         rows = {}
         for i, prompt in enumerate(prompts(model_name, tok)):
-            for name in method_names():
+            for name in names:
                 params = method_params(model_name, name)
                 d = decode(model, prompt, get_method(name, **params))
                 rows.setdefault(name, {"params": params, "prompts": []})["prompts"].append(
@@ -146,11 +150,19 @@ if __name__ == "__main__":
     import tempfile
 
     torch.manual_seed(0)
-    names = sys.argv[1:] or list(MODELS)
+    args = sys.argv[1:]
+    only = None
+    if "--methods" in args:
+        at = args.index("--methods")
+        only = args[at + 1].split(",")
+        args = args[:at] + args[at + 2 :]
+    names = args or list(MODELS)
     with tempfile.TemporaryDirectory() as tmp:
-        data = record(names, Path(tmp))
-    if OUT.is_file():  # models not named keep their recording
+        data = record(names, Path(tmp), only)
+    if OUT.is_file():  # models not named, and methods not named, keep their recording
         kept = json.loads(OUT.read_text(encoding="utf-8"))["models"]
+        for m, rows in data["models"].items():
+            data["models"][m] = {**kept.get(m, {}), **rows} if only else rows
         data["models"] = {**{m: r for m, r in kept.items() if m not in data["models"]}, **data["models"]}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(data) + "\n", encoding="utf-8")
