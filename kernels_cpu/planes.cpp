@@ -985,7 +985,8 @@ struct Widths16 {
 // (rescore(t0, 16): rule_from_fp32's, which may refuse) and is tested again; still open, or not rescored, it
 // ends the loop: false with *undecided. False without writing where it does not apply (D not a multiple of
 // 64, O_est's offsets outside least_gaps16's range). Each 64-token block is first offered to settle(t0, 64)
-// (rule_from_fp32's: true where v_exp_max puts all of it at 8 bits, written; its rows then go unread).
+// (rule_from_fp32's: true where v_exp_max puts all of it at 8 bits, written; its rows then go unread), and
+// where that fails each 16-token group to settle(t0, 16).
 template <class Rescore, class Settle>
 inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t b, int64_t h,
                            const std::vector<int16_t>& o_lo, const std::vector<int16_t>& o_hi, bool one_o,
@@ -1003,6 +1004,7 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
       t0 += KB - 16;
       continue;
     }
+    if (settle(t0, 16)) continue;  // a run that one heavy token kept open: its other groups may still settle
     const uint8_t* rows = s.va.at(b, h, t0);
     if (t0 + PFW + 16 <= nv)  // the rows PFW tokens ahead into L2: without it the loop waited on them
       for (int i = 0; i < 16; ++i)

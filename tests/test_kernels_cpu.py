@@ -467,8 +467,8 @@ def test_rule_from_fp32_rescores_the_units_its_bounds_leave_open(built, threads,
 @pytest.mark.parametrize("v_block", [0, 8, 16, 32])
 @pytest.mark.parametrize("hq,hkv,d,length", [(4, 4, 128, 4096), (6, 2, 64, 2100), (3, 1, 96, 1500)])
 def test_value_rules_settle_runs_of_units_from_v_exp_max(built, threads, hq, hkv, d, length, v_block):
-    """Runs of value units (16 blocks of the block rule at ``v_block``; 64 tokens of the paper's rule, ``v_block``
-    0 here) whose largest probability, against the gap of ``v_exp_max`` (every channel's largest exponent field),
+    """Runs of value units (16 blocks of the block rule at ``v_block``; 64, else 16 tokens of the paper's rule,
+    ``v_block`` 0 here) whose largest probability, against the gap of ``v_exp_max`` (each channel's largest field),
     still gives 8 bits are settled at 8 without reading their fields: the widths and outputs are those without
     ``v_exp_max`` (and ``exact_scores``'), and on spread attention with sinks (as the ``--planes`` bench's K/V)
     some units are settled that way (``aligned_bound_units``). A bound that is not one (every field 0) settles
