@@ -197,22 +197,20 @@ Bytes widths(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_
                   (!keys || t.size(3) == D),
               name, " must be [", B, ", ", H, ", ", n, keys ? ", D]" : "]", " (or 1 along dim 2), got ", t.sizes());
   const Bytes w{t.data_ptr<uint8_t>(), t.stride(0), t.stride(1), t.size(2) == 1 ? 0 : t.stride(2)};
-  // Rows of contiguous bytes: a key row's D channels (stride 1), or a head's n value widths (stride 1 along
-  // tokens); else one byte at a time. Why: AlignedKV+'s key widths are a byte per block and channel (1 MiB a
-  // step at 32 heads x 16K), which the byte-at-a-time loop took ~0.5 ms to check.
-  const int64_t si = keys ? t.stride(3) : 0;
-  const bool rows = keys ? si == 1 : w.s2 == 1;
-  const int64_t per_row = rows ? (keys ? D : t.size(2)) : 1, n_rows = keys || !rows ? t.size(2) : 1;
-  const int64_t inner = keys ? D : 1;
+  // Checked a row at a time: a key row's D channels (per head, or per block and head), or a head's widths along
+  // its tokens; a contiguous row vectorized. Why: AlignedKV+'s key widths are a byte per block and channel (1 MiB
+  // a step at 32 heads x 16K), which a byte-at-a-time loop took ~0.5 ms to check.
+  const int64_t n_rows = keys ? t.size(2) : 1, per_row = keys ? D : t.size(2), step = keys ? t.stride(3) : w.s2;
+  auto unread = [](uint8_t x) { return uint8_t(uint8_t(x != 8) & uint8_t(x != 12) & uint8_t(x != 16)); };
   uint8_t odd = 0;  // a width the loaders have no read for
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < n_rows; ++i) {
         const uint8_t* row = w.at(b, h, i);
-        if (rows)
-          for (int64_t c = 0; c < per_row; ++c) odd |= uint8_t(row[c] != 8) & uint8_t(row[c] != 12) & uint8_t(row[c] != 16);
+        if (step == 1)
+          for (int64_t c = 0; c < per_row; ++c) odd |= unread(row[c]);
         else
-          for (int64_t c = 0; c < inner; ++c) odd |= uint8_t(row[c * si] != 8 && row[c * si] != 12 && row[c * si] != 16);
+          for (int64_t c = 0; c < per_row; ++c) odd |= unread(row[c * step]);
       }
   TORCH_CHECK(odd == 0, name, ": plane reads take widths 8, 12 or 16");
   return w;
@@ -830,7 +828,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_planes", &attend_planes, "fused attention over AlignedKV's planes at given widths");
   m.def("attend_aligned", &attend_aligned, "AlignedKV's value rule in fp64 and attention at its widths, one call");
   m.def("aligned_rule_counts", &kvq::aligned_rule_counts,
-        "items decided from fp32 / fp64 scores, fp32 ones that rescored some keys in fp64 first, and value blocks "
+        "items decided from fp32 / fp64 scores, fp32 ones that rescored some keys in fp64 first, and value units "
         "settled from v_exp_max");
   m.def("exponent_gaps", &exponent_gaps, "min over channels of e_o - the exponent field of plane A, per token");
   m.def("key_widths", &key_widths, "AlignedKV's key rule for one step (per column, or per block with k_exp), uint8");
