@@ -199,7 +199,7 @@ Bytes widths(const at::Tensor& t, const char* name, int64_t B, int64_t H, int64_
   const Bytes w{t.data_ptr<uint8_t>(), t.stride(0), t.stride(1), t.size(2) == 1 ? 0 : t.stride(2)};
   // Checked a row at a time: a key row's D channels (per head, or per block and head), or a head's widths along
   // its tokens; a contiguous row vectorized. Why: AlignedKV+'s key widths are a byte per block and channel (1 MiB
-  // a step at 32 heads x 16K), which a byte-at-a-time loop took ~0.5 ms to check.
+  // a step at 32 heads x 16K), which a byte-at-a-time loop made a visible share of the call.
   const int64_t n_rows = keys ? t.size(2) : 1, per_row = keys ? D : t.size(2), step = keys ? t.stride(3) : w.s2;
   auto unread = [](uint8_t x) { return uint8_t(uint8_t(x != 8) & uint8_t(x != 12) & uint8_t(x != 16)); };
   uint8_t odd = 0;  // a width the loaders have no read for
