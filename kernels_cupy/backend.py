@@ -5,10 +5,14 @@ a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``, KIVI's and GEAR's
 their codes (``kernels_cupy.codes``), HIGGS's, keys coded before or after RoPE (``kernels_cupy.higgs``,
 methods ``higgs`` and ``higgs_post_rope``), and AQUA-KV's over its cache's decoded workspace
 (``kernels_cupy.aquakv``, whose ``aquakv_reconstruct`` and ``aquakv_encode`` the cache calls through
-``Backend.kernel``); ``STATES`` gives layers the plane store whose appends run the pack kernel. ``auto``
-does not pick these kernels (``Backend.auto`` False) until ``scripts/gpu_check.sh`` has passed on a GPU
-with them: this round's rewrite and the code, HIGGS and AQUA-KV kernels have not run on one yet, so
-``backend=cupy`` is an explicit choice.
+``Backend.kernel``); ``STATES`` gives layers the plane store whose appends run the pack kernel.
+
+``auto`` picks these kernels for the formats in ``AUTO``: those whose gpu tests all passed in
+``scripts/gpu_check.sh`` (H100, 2026-12-06) and whose decode step is measured faster than the torch
+reference's (planes: 0.73x DynamicCache at 32K there, the torch path 6.9x on an H200 in issue 32; kivi2:
+0.90x / 0.83x the torch path's step at 4K / 32K). GEAR (no torch step measured beside it), HIGGS and
+AQUA-KV (their end-to-end tests ran an fp16 model against fp32 bounds and failed; the fp32 versions have not
+run on a GPU yet) stay opt-in: ``method.backend=cupy``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ __all__ = ["ATTEND", "STATES", "aquakv_encode", "aquakv_reconstruct", "attend", 
 
 STATES = {"planes": KernelPlaneStore}
 
+
+#: the formats ``backend=auto`` may run here (module docstring)
+AUTO = frozenset({"planes", "kivi"})
 
 BLOCK_RULE_V_BLOCKS = (32, 64)  # the block rule's v_block here: whole warps of 32 tokens at one width
 
@@ -89,4 +96,4 @@ def attend(state: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> 
     return ATTEND[state.format](state, rule, query, mask, scaling)
 
 
-register_backend(Backend("cupy", "cuda", frozenset(ATTEND), cupy_status, "kernels_cupy.backend", limits, auto=False))
+register_backend(Backend("cupy", "cuda", frozenset(ATTEND), cupy_status, "kernels_cupy.backend", limits, auto=AUTO))

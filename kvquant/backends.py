@@ -10,9 +10,9 @@ import ``kvquant.formats`` and the format math, never layers, methods or caches)
 A backend named ``X`` lives in the package ``kernels_X`` (its module ``kernels_X.backend`` registers it
 when imported): adding one is adding a package, no list to edit (``docs/adding_a_backend.md``).
 ``resolve_backend`` turns ``method.backend`` (``auto``, ``torch`` or a package's name) into a ``Backend``
-for one cache: ``auto`` takes, among the backends for the model's device that allow it (``auto``), the
-one of highest ``priority`` whose kernels are built and can run the model and the rule (one warning line
-otherwise, then ``torch``); an explicit kernel backend that cannot is a one-line
+for one cache: ``auto`` takes, among the backends for the model's device that allow it for the cache's
+format (``auto``), the one of highest ``priority`` whose kernels are built and can run the model and the
+rule (one warning line otherwise, then ``torch``); an explicit kernel backend that cannot is a one-line
 ``InvalidParameterError``. Methods never name a backend: their caches hold the resolved one.
 """
 
@@ -44,8 +44,10 @@ class Backend:
     """A set of kernels: the ``formats`` it reads, the ``device_type`` it runs on, ``status()`` →
     ``(usable, why not)``, ``ops_module`` (the module whose ``attend`` implements the protocol) and
     ``limits(fmt, geometry, rule)``: what of a model (``KVGeometry``) or a rule its kernels lack, one
-    phrase each (``["sliding-window layers (4096)"]``), empty when they can run it. ``auto``: whether
-    ``backend=auto`` may choose it (``priority`` orders those for one device type).
+    phrase each (``["sliding-window layers (4096)"]``), empty when they can run it. ``auto``: the formats
+    ``backend=auto`` may choose it for (``"*"``: all it reads; a format left out is opt-in, named by the
+    user: kernels not yet validated on a device, or not faster there than the torch reference); ``priority``
+    orders those for one device type.
 
     ``materializes`` (the torch reference only): a format whose read does not depend on the query is
     handed to the model's own attention as the K/V it reads (``state.read``) — the same computation as
@@ -59,8 +61,16 @@ class Backend:
     ops_module: str
     limits: Callable[[str, Any, Any], list[str]] = no_limits
     materializes: bool = False
-    auto: bool = True
+    auto: frozenset[str] = frozenset({"*"})
     priority: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.auto, bool):  # a backend written before ``auto`` took formats: all or none
+            object.__setattr__(self, "auto", frozenset({"*"}) if self.auto else frozenset())
+
+    def auto_for(self, fmt: str) -> bool:
+        """Whether ``backend=auto`` may choose these kernels for format ``fmt``."""
+        return "*" in self.auto or fmt in self.auto
 
     @property
     def ops(self) -> ModuleType:
@@ -142,12 +152,12 @@ def _why_unusable(name: str, device_type: str, fmt: str) -> str | None:
     return None if ok else why
 
 
-def auto_candidate(device_type: str) -> str | None:
-    """The backend ``auto`` tries on ``device_type``: of the shipped and registered ones that run there and
-    allow ``auto``, the highest ``priority`` (None: the torch reference)."""
+def auto_candidate(device_type: str, fmt: str) -> str | None:
+    """The backend ``auto`` tries for format ``fmt`` on ``device_type``: of the shipped and registered ones
+    that run there and allow ``auto`` for it, the highest ``priority`` (None: the torch reference)."""
     for name in SHIPPED:
         get_backend(name)
-    found = [b for b in _BACKENDS.values() if b.device_type == device_type and b.auto and not b.materializes]
+    found = [b for b in _BACKENDS.values() if b.device_type == device_type and b.auto_for(fmt) and not b.materializes]
     return max(found, key=lambda b: b.priority).name if found else None
 
 
@@ -167,12 +177,18 @@ def resolve_backend(
     if requested == "torch":
         return TORCH
     device_type = torch.device(device).type if device is not None else "cpu"
-    name = auto_candidate(device_type) if requested == "auto" else requested
+    name = auto_candidate(device_type, fmt) if requested == "auto" else requested
     if name is None:
-        opt_in = sorted(b.name for b in _BACKENDS.values() if b.device_type == device_type and not b.auto)
+        opt_in = sorted(
+            b.name
+            for b in _BACKENDS.values()
+            if b.device_type == device_type and fmt in b.formats and not b.auto_for(fmt)
+        )
         if opt_in:
             choice = " or ".join(f"method.backend={name}" for name in opt_in)
-            warn_once(f"warning: backend=auto uses torch on {device_type}: its kernels are opt-in there ({choice})")
+            warn_once(
+                f"warning: backend=auto uses torch for '{fmt}' on {device_type}: its kernels are opt-in ({choice})"
+            )
         return TORCH
     why = _why_unusable(name, device_type, fmt)
     if why is not None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of kernels_cupy, in one call of at most 8 minutes on a lent GPU machine:
+# The GPU check of kernels_cupy, in one call of at most 9 minutes on a lent GPU machine:
 # a usable-GPU check, every module compiled once, the gpu-marked tests, the decode-attention and whole-step
 # benchmarks, one results file.
 #
@@ -16,7 +16,8 @@
 # the block rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes
 # read and % of the copy bandwidth measured in the same run, and the kernels one step runs at batch 8, 32K
 # (scripts/bench_kernels.py); and whole decode steps on a random-weight Llama-2-7B layout at 4K and 32K,
-# each cache against DynamicCache, and AQUA-KV's (random predictors) on a Llama-3.1-8B layout at 4K against
+# each cache against DynamicCache (each named with its backend, `kivi2@torch` beside `kivi2@cupy`: `auto` picks
+# CuPy for some formats), and AQUA-KV's (random predictors) on a Llama-3.1-8B layout at 4K against
 # DynamicCache and its floor (scripts/bench_step.py).
 #
 # Fails closed. Exit 0 only when every module compiled, every gpu-marked test ran and passed (none skipped,
@@ -98,7 +99,7 @@ else
   verdict_status=1
 fi
 
-# 4. Benchmarks (<= 75 s + 55 s + 40 s): whatever a budget leaves is listed as skipped, so the call ends in
+# 4. Benchmarks (<= 75 s + 100 s + 40 s): whatever a budget leaves is listed as skipped, so the call ends in
 # time. Attention only (AlignedKV's kernels vs SDPA), then whole decode steps on a random-weight Llama-2-7B
 # layout (each cache vs DynamicCache, the torch path beside the CuPy kernels), then AQUA-KV's on a
 # Llama-3.1-8B layout (8 KV heads: 1024-channel predictors; Llama-2-7B's 4096 would be 6 GB of weights).
@@ -107,8 +108,8 @@ timeout 75 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,819
   --out "$OUT_DIR/bench.md" 2>&1 \
   | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
-timeout 55 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 30 \
-  --methods fp16,kivi2,kivi2@cupy,kivi4@cupy,gear2@cupy,higgs_post_rope@cupy,alignedkv_block@cupy \
+timeout 100 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 70 \
+  --methods fp16,kivi2@torch,kivi2@cupy,kivi4@cupy,gear2@torch,gear2@cupy,higgs_post_rope@cupy,alignedkv_block@torch,alignedkv_block@cupy \
   --out "$OUT_DIR/step.md" 2>&1 | tee "$OUT_DIR/step.log"
 step_status=${PIPESTATUS[0]}
 timeout 40 "$PY" scripts/bench_step.py --layout llama3.1_8b --contexts 4096 --repeats 3 --max-seconds 15 \

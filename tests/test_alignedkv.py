@@ -481,7 +481,7 @@ def test_kernels_that_cannot_run_fall_back_or_refuse(monkeypatch, capsys):
     cupy = backends.get_backend("cupy")
     assert cupy.limits("planes", geometry, get_method("alignedkv").rule(geometry)) == []
     monkeypatch.setattr(backends, "_WARNED", set())  # each fallback line is said once per process
-    monkeypatch.setattr(backends, "auto_candidate", lambda device_type: "cupy")  # as if this CPU were a GPU
+    monkeypatch.setattr(backends, "auto_candidate", lambda device_type, fmt: "cupy")  # as if this CPU were a GPU
     monkeypatch.setattr(backends, "_why_unusable", lambda *args: None)
     assert get_method("alignedkv", backend="auto", v_block=8).new_cache(model).backend == "torch"
     assert "value widths per block (v_block=8)" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kvquant import get_method
+from kvquant import backends, get_method
 from kvquant.backends import check_backend, choices, get_backend, select_backend
 from kvquant.errors import InvalidParameterError
 
@@ -92,12 +92,24 @@ def test_every_cpu_kernel_attends_as_the_torch_reference_on_the_same_state(stori
             assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs))
 
 
-def test_auto_passes_over_an_opt_in_backend_with_one_line(capsys, monkeypatch):
-    """CuPy's kernels are opt-in (``auto=False``) until validated on a GPU: ``auto`` on CUDA is the torch
-    reference, said once; naming ``cupy`` still selects it where it can run."""
+def test_auto_passes_over_an_opt_in_format_with_one_line(capsys, monkeypatch):
+    """CuPy's kernels are ``auto``'s choice on CUDA for the formats validated on a GPU (planes, kivi) and
+    opt-in for the rest: ``auto`` then reads with the torch reference, said once per format; naming ``cupy``
+    still selects them where they can run; where CuPy cannot run, ``auto`` for planes says why."""
     monkeypatch.setattr("kvquant.backends._WARNED", set())
-    assert get_backend("cupy").auto is False
-    assert select_backend("auto", "cuda", "kivi") == "torch"
-    select_backend("auto", "cuda", "planes")
+    cupy = get_backend("cupy")
+    assert [f for f in ("planes", "kivi", "gear", "higgs", "aquakv") if cupy.auto_for(f)] == ["planes", "kivi"]
+    old_style = [backends.Backend("x", "cpu", frozenset({"fp16"}), cupy.status, "m", auto=a) for a in (True, False)]
+    assert [b.auto_for("fp16") for b in old_style] == [True, False]
+    assert backends.auto_candidate("cuda", "planes") == "cupy" and backends.auto_candidate("cuda", "gear") is None
+    assert backends.auto_candidate("cpu", "gear") == "cpu"
+    for fmt in ("gear", "higgs", "gear"):
+        assert select_backend("auto", "cuda", fmt) == "torch"
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["warning: backend=auto uses torch on cuda: its kernels are opt-in there (method.backend=cupy)"]
+    assert lines == [
+        f"warning: backend=auto uses torch for '{fmt}' on cuda: its kernels are opt-in (method.backend=cupy)"
+        for fmt in ("gear", "higgs")
+    ]
+    if not cupy.status()[0]:
+        assert select_backend("auto", "cuda", "planes") == "torch"
+        assert "backend=auto uses torch for 'planes' on cuda: cupy kernels unusable" in capsys.readouterr().err

@@ -49,6 +49,30 @@ def gpu_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not GPU_OK, reason=f"needs cupy and a CUDA GPU: {GPU_WHY}")(fn))
 
 
+def assert_generates_as_torch(
+    method_name: str, kl_bound: float, steps: int = 40, backend: str = "cupy", device: str = "cuda"
+) -> None:
+    """A whole model through ``backend`` against ``backend=torch``: stories260K in fp32 (fp16, ``load_model``'s
+    default on CUDA, rounds each attention output to fp16: past fp32 bounds), a 150-token story prompt (two full
+    64-token blocks and a tail), then ``steps`` greedy tokens: the same tokens, mean KL below ``kl_bound``."""
+    from kvquant import get_method, load_model
+    from kvquant.data import tinystories_pieces
+    from kvquant.eval.fidelity import greedy_decode, kl_divergence
+
+    model, tok = load_model("stories260k", device=device, dtype="float32")
+    ids = tok(" ".join(tinystories_pieces()[5:8]), return_tensors="pt").input_ids[0, :150]
+    assert ids.numel() == 150
+    runs = {}
+    for name in ("torch", backend):
+        method = get_method(method_name, backend=name)
+        with method.attach(model), torch.no_grad():
+            cache = method.new_cache(model)
+            runs[name] = greedy_decode(model, ids, cache, steps)
+        assert cache.backend == name
+    assert torch.equal(runs[backend].tokens, runs["torch"].tokens)
+    assert kl_divergence(runs["torch"].logprobs, runs[backend].logprobs).mean() < kl_bound
+
+
 def kivi_state(bits, group, residual, b, h, d, chunks, seed=0):
     """A KIVI layer's state as ``KiviLayer.new_state`` builds it, fed ``chunks`` tokens at a time."""
     gen = torch.Generator().manual_seed(seed)
@@ -381,6 +405,13 @@ def test_kernel_follows_a_growing_gear_store():
         query = torch.randn(2, 4, 1, 64, device="cuda", generator=gen)
         ref, _ = codes_format.attend(state, None, query, None, 0.125)
         torch.testing.assert_close(attend_gear(state, None, query, None, 0.125)[0], ref, atol=5e-6, rtol=5e-5)
+
+
+@gpu_test
+def test_backend_cupy_generates_as_the_torch_backend_on_stories260k():
+    """kivi2 through the code kernels in a whole model (``backend=auto``'s choice on CUDA): as the torch path,
+    within fp32 summation order (128 of the 189 keys and 61 values coded; the cpu backend: KL 4e-8)."""
+    assert_generates_as_torch("kivi2", kl_bound=1e-6)
 
 
 def test_a_prompt_takes_the_torch_reference():
