@@ -45,6 +45,58 @@ def qk_shared_bytes(d: int) -> tuple[int, int]:
     return d * 4, (2 * d + max(d, THREADS // 32)) * 4 + d * TILE_STRIDE * 2
 
 
+def qk_warp_rows(rows: int) -> int | None:
+    """Rows the warp kernel (``qk_warp_*_r{1,2,4}``) accumulates for ``rows`` query rows of a KV head, or None
+    past 4 (a prefill chunk: the tile kernel takes it)."""
+    return next((rt for rt in (1, 2, 4) if rows <= rt), None)
+
+
+def qk_warp_shared_bytes(d: int, rows: int) -> int:
+    """Dynamic shared memory of the warp kernel: the rows' queries, ``e_q``, ``w_col`` and the scratch."""
+    return (rows * d + 2 * d + max(d, THREADS // 32)) * 4
+
+
+def qk_warp_split(n_units: int, bh: int, sms: int) -> tuple[int, int]:
+    """``(units per CTA, CTAs per KV head)`` of the warp kernel: ``qk_split``'s, rounded up to whole rounds of
+    its 8 warps (each warp takes every 8th unit of its CTA)."""
+    per_cta, _ = qk_split(n_units, bh, sms)
+    per_cta = math.ceil(per_cta / (THREADS // 32)) * (THREADS // 32)
+    return per_cta, math.ceil(n_units / per_cta)
+
+
+def read8_words(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, width: int) -> torch.Tensor:
+    """``planes.cuh``'s ``read8`` line for line on int64 tensors holding 32-bit words: ``a`` ``[..., 2]`` plane-A
+    words (elements 0-3, 4-7, element i in byte i % 4), ``b`` / ``c`` ``[...]`` nibble words (element i at bits
+    4i; zero where ``width`` does not load them) -> ``[..., 4]`` words, element 2i in the low half of word i."""
+    even = ((b << 4) & 0xF0F0F0F0) | (c & 0x0F0F0F0F)
+    odd = (b & 0xF0F0F0F0) | ((c >> 4) & 0x0F0F0F0F)
+    fill4 = {8: 0x80808080, 12: 0x08080808, 16: 0}[width]
+    lo03 = _fill_low_bytes(_byte_perm(even, odd, 0x5140), a[..., 0], fill4)
+    lo47 = _fill_low_bytes(_byte_perm(even, odd, 0x7362), a[..., 1], fill4)
+    words = (
+        _byte_perm(lo03, a[..., 0], 0x5140),
+        _byte_perm(lo03, a[..., 0], 0x7362),
+        _byte_perm(lo47, a[..., 1], 0x5140),
+        _byte_perm(lo47, a[..., 1], 0x7362),
+    )
+    return torch.stack(words, dim=-1)
+
+
+def _byte_perm(x: torch.Tensor, y: torch.Tensor, selector: int) -> torch.Tensor:
+    """PTX ``prmt.b32`` (selector nibbles 0-7: byte i of the result is byte ``nibble i`` of {x, y})."""
+    pool = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    out = torch.zeros_like(x)
+    for i in range(4):
+        out |= pool[(selector >> (4 * i)) & 0x7] << (8 * i)
+    return out
+
+
+def _fill_low_bytes(lo: torch.Tensor, hi: torch.Tensor, fill4: int) -> torch.Tensor:
+    nonzero = (((hi & 0x7F7F7F7F) + 0x7F7F7F7F) | ((lo & 0x7F7F7F7F) + 0x7F7F7F7F) | lo) & 0x80808080
+    exp31 = ((hi & 0x7C7C7C7C) + 0x04040404) & 0x80808080
+    return lo | (fill4 & (((nonzero & ~exp31 & 0xFFFFFFFF) >> 7) * 0xFF))
+
+
 def qk_split(n_units: int, bh: int, sms: int) -> tuple[int, int]:
     """``(blocks per CTA, CTAs per KV head)`` of a QK launch: about 16 CTAs per SM over all KV heads."""
     per_cta = max(1, math.ceil(n_units * bh / (sms * 16)))

@@ -19,6 +19,9 @@ from kernels_cupy.launch import (
     TILE_STRIDE,
     qk_shared_bytes,
     qk_split,
+    qk_warp_rows,
+    qk_warp_shared_bytes,
+    qk_warp_split,
     row_chunks,
     softmax_shared_bytes,
     softmax_split,
@@ -33,6 +36,17 @@ from kvquant.errors import InvalidParameterError, KvquantError
 
 if TYPE_CHECKING:
     from kvquant.formats.planes import PlaneStore
+
+#: the QK kernel a step uses by default: ``tile`` (validated on an H100, 2026-12-06) or ``warp`` (decode rows read
+#: straight from the planes in registers, launch.qk_warp_rows; not yet run on a GPU). ``aligned_attention(qk_kernel=)``
+#: picks one per call; scripts/bench_kernels.py times both.
+QK_KERNEL = "tile"
+QK_KERNELS = ("tile", "warp")
+#: how SV turns plane bytes into fp16 by default: ``bytes`` (an element at a time; validated on an H100) or
+#: ``permute`` (eight at a time with byte permutes, the ``sv_*_p`` kernels; the same bits, not yet run on a GPU)
+SV_READ = "bytes"
+SV_READS = ("bytes", "permute")
+TILE_KERNELS = {"full": "qk_full", "blockwise": "qk_aligned_blockwise", "aligned": "qk_aligned"}
 
 FP16_MAX = 65504.0  # kvquant.cache.FP16_MAX (not imported: kvquant.cache needs transformers)
 ALIGN = 16  # bytes: the widest vector load (uint4) any kernel makes from a tensor's start
@@ -184,8 +198,14 @@ def _qk(
     full: bool,
     return_keys: bool,
     mask: torch.Tensor | None,
+    qk_kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, int]:
-    """QKᵀ launches: ``(masked logits [b, hq, q_len, L], wk, keys, partial_ml [bh, rows, n_qk, 2], n_qk)``."""
+    """QKᵀ launches: ``(masked logits [b, hq, q_len, L], wk, keys, partial_ml [bh, rows, n_qk, 2], n_qk)``.
+    ``qk_kernel`` ``warp`` takes the warp kernel where the rows of a KV head allow it (at most 4), else the tile
+    kernel; None: ``QK_KERNEL``."""
+    qk_kernel = QK_KERNEL if qk_kernel is None else qk_kernel
+    if qk_kernel not in QK_KERNELS:
+        raise InvalidParameterError(f"qk_kernel must be one of {', '.join(QK_KERNELS)}, got {qk_kernel!r}")
     b, hq, q_len, d, hkv, rows, n_tokens = _geometry(store, query)
     q = kernel_arg(query.float())
     n_tail = store.tail_k.shape[2]
@@ -198,9 +218,12 @@ def _qk(
         wk = torch.empty((b, hkv, n_blk, d) if use_blocks else (b, hkv, d), dtype=torch.int32, device=dev)
     keys = torch.empty(b, hkv, n_tokens, d, dtype=torch.float16, device=dev) if return_keys else None
     n_units = n_blk + (1 if n_tail else 0)
-    per_cta, n_qk = qk_split(n_units, b * hkv, sm_count(dev.index or 0))
+    warp_rows = qk_warp_rows(rows) if qk_kernel == "warp" else None
+    split = qk_split if warp_rows is None else qk_warp_split
+    per_cta, n_qk = split(n_units, b * hkv, sm_count(dev.index or 0))
     partial_ml = torch.empty(b * hkv, rows, n_qk, 2, dtype=torch.float32, device=dev)
-    name = "qk_full" if full else ("qk_aligned_blockwise" if use_blocks else "qk_aligned")
+    kind = "full" if full else ("blockwise" if use_blocks else "aligned")
+    name = TILE_KERNELS[kind] if warp_rows is None else f"qk_warp_{kind}_r{warp_rows}"
     t12, t8 = tiers(k_thresholds)
     k_a, k_b, k_c, tail_k, k_absmax = (
         kernel_arg(x) for x in (store.k_a, store.k_b, store.k_c, store.tail_k, store.k_absmax)
@@ -210,7 +233,7 @@ def _qk(
     if m is not None and m.device != dev:
         raise ValueError(f"the attention mask is on {m.device}, the query on {dev}")
     mask_ptr = np.uint64(m.data_ptr()) if m is not None else np.uint64(0)
-    per_row, fixed = qk_shared_bytes(d)
+    per_row, fixed = qk_shared_bytes(d) if warp_rows is None else (d * 4, qk_warp_shared_bytes(d, 0))
     chunks = row_chunks(rows, per_row, fixed, shared_memory_budget(dev.index or 0), "QKᵀ")
     q_max_bits = None
     if len(chunks) > 1 and not full:  # each launch holds some rows; the widths need max |q| over all
@@ -264,6 +287,7 @@ def qk(
     full: bool = False,
     return_keys: bool = False,
     mask: torch.Tensor | None = None,
+    qk_kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Scaled logits ``[b, hq, q_len, L]`` (fp32, ``mask`` applied as ``masked_logits``) from keys read at
     the rule's widths.
@@ -272,7 +296,7 @@ def qk(
     block exponents, ``block_key_widths`` (``[b, hkv, blocks, d]``); ``None`` for the 16-bit control
     (``full``). ``keys`` (``[b, hkv, L, d]`` fp16, only with ``return_keys``) is what was read.
     """
-    logits, wk, keys, _, _ = _qk(store, query, scaling, k_thresholds, blockwise, full, return_keys, mask)
+    logits, wk, keys, _, _ = _qk(store, query, scaling, k_thresholds, blockwise, full, return_keys, mask, qk_kernel)
     return logits, wk, keys
 
 
@@ -345,8 +369,13 @@ def _sv(
     v_thresholds: tuple[float, float],
     mode: str,
     return_values: bool,
+    sv_read: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One SV launch (``mode``: ``full``, ``token`` or ``block``): ``(out [b, hq, q_len, d] fp32, wv, values)``."""
+    """One SV launch (``mode``: ``full``, ``token`` or ``block``): ``(out [b, hq, q_len, d] fp32, wv, values)``.
+    ``sv_read``: ``bytes`` or ``permute`` (None: ``SV_READ``)."""
+    sv_read = SV_READ if sv_read is None else sv_read
+    if sv_read not in SV_READS:
+        raise InvalidParameterError(f"sv_read must be one of {', '.join(SV_READS)}, got {sv_read!r}")
     b, hq, q_len, n_tokens = scores.shape
     hkv, d = store.tail_v.shape[1], store.tail_v.shape[-1]
     check_head_dim(d)
@@ -390,7 +419,8 @@ def _sv(
         i32(t12),
         i32(t8),
     )
-    launch("sv.cu", f"sv_{mode}_r{rc}_c{cpt}", (n_chunks, bh), THREADS, args, shared_mem=sv_shared_bytes(d, rc))
+    name = f"sv_{mode}_r{rc}_c{cpt}" + ("_p" if sv_read == "permute" else "")
+    launch("sv.cu", name, (n_chunks, bh), THREADS, args, shared_mem=sv_shared_bytes(d, rc))
     return out, wv, values
 
 
@@ -402,6 +432,7 @@ def sv(
     full: bool = False,
     return_values: bool = False,
     value_rule: str = "token",
+    sv_read: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``scores @ V`` ``[b, hq, q_len, d]`` (fp32) with values read at the rule's widths.
 
@@ -411,7 +442,7 @@ def sv(
     ``e_o`` comes from ``value_exponents`` (unused if ``full``).
     """
     s = kernel_arg(scores.float())
-    return _sv(store, s, e_o, v_thresholds, "full" if full else value_rule, return_values)
+    return _sv(store, s, e_o, v_thresholds, "full" if full else value_rule, return_values, sv_read)
 
 
 def aligned_attention(
@@ -426,6 +457,8 @@ def aligned_attention(
     full: bool = False,
     value_rule: str = "token",
     return_scores: bool = False,
+    qk_kernel: str | None = None,
+    sv_read: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """One AlignedKV attention step on the GPU: ``(out [b, hq, q_len, d] fp32, wk, wv)`` (and the fp32
     probabilities the rule and SV used, ``[b, hq, q_len, L]``, with ``return_scores``).
@@ -436,11 +469,15 @@ def aligned_attention(
     ``e(O_est)``; the value widths (``value_rule`` token: per token; block: per ``store.value_block`` tokens)
     and SV split over CTAs, merged by the last. ``blockwise`` is AlignedKV+ (used when the store has block
     exponents); ``full`` is the 16-bit control (same kernels, every plane, no rule; ``wk``/``wv`` None).
+    ``qk_kernel``: ``tile`` or ``warp`` (``_qk``; None: ``QK_KERNEL``); ``sv_read``: ``bytes`` or ``permute``
+    (``_sv``; None: ``SV_READ``).
     """
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if value_rule not in ("token", "block"):
         raise InvalidParameterError(f"value_rule must be token or block, got {value_rule!r}")
-    logits, wk, _, partial_ml, n_qk = _qk(store, query, scaling, k_thresholds, blockwise, full, False, attention_mask)
+    logits, wk, _, partial_ml, n_qk = _qk(
+        store, query, scaling, k_thresholds, blockwise, full, False, attention_mask, qk_kernel
+    )
     e_o = _softmax_topk(store, logits, partial_ml, n_qk, 0 if full else topk, normalize=True)
-    out, wv, _ = _sv(store, logits, e_o, v_thresholds, "full" if full else value_rule, False)
+    out, wv, _ = _sv(store, logits, e_o, v_thresholds, "full" if full else value_rule, False, sv_read)
     return (out, wk, wv, logits) if return_scores else (out, wk, wv)

@@ -28,6 +28,47 @@ __device__ __forceinline__ unsigned int read_bits(unsigned int kept, int width) 
     return as_is ? kept : (kept | fill);
 }
 
+// prmt.b32: byte i of the result is byte (nibble i of s) of {x (0-3), y (4-7)}.
+__device__ __forceinline__ unsigned int byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    unsigned int r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(x), "r"(y), "r"(s));
+    return r;
+}
+
+__device__ __forceinline__ unsigned int fill4_of_width(int width) {
+    return width == 8 ? 0x80808080u : (width == 12 ? 0x08080808u : 0u);
+}
+
+// read_bits' fill for four elements at once: `lo` their low bytes as loaded (unloaded nibbles zero), `hi`
+// their plane-A bytes, `fill4` the width's fill byte four times. Adding 0x7F to a byte's low 7 bits sets its
+// top bit exactly when they are not all zero, and no carry leaves the byte; a field of 31 is 0x7C under 0x7C.
+__device__ __forceinline__ unsigned int fill_low_bytes(unsigned int lo, unsigned int hi, unsigned int fill4) {
+    const unsigned int nonzero =
+        (((hi & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | ((lo & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | lo) & 0x80808080u;
+    const unsigned int exp31 = ((hi & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u;
+    return lo | (fill4 & (((nonzero & ~exp31) >> 7) * 0xFFu));
+}
+
+// Eight consecutive elements of one plane row read at `width`, each as read_bits gives it: `a` their plane-A
+// bytes (element i in byte i), `b` / `c` their B / C nibbles (element i at bits 4i; zero where not loaded).
+// Word i (x, y, z, w) holds elements 2i (low half) and 2i + 1 (high half) as fp16 bits. launch.read8_words is
+// this in Python.
+__device__ __forceinline__ uint4 read8(uint2 a, unsigned int b, unsigned int c, int width) {
+    const unsigned int even = ((b << 4) & 0xF0F0F0F0u) | (c & 0x0F0F0F0Fu);  // byte k: element 2k's low byte
+    const unsigned int odd = (b & 0xF0F0F0F0u) | ((c >> 4) & 0x0F0F0F0Fu);   // byte k: element 2k + 1's
+    const unsigned int fill4 = fill4_of_width(width);
+    const unsigned int lo03 = fill_low_bytes(byte_perm(even, odd, 0x5140u), a.x, fill4);
+    const unsigned int lo47 = fill_low_bytes(byte_perm(even, odd, 0x7362u), a.y, fill4);
+    return make_uint4(byte_perm(lo03, a.x, 0x5140u), byte_perm(lo03, a.x, 0x7362u), byte_perm(lo47, a.y, 0x5140u),
+                      byte_perm(lo47, a.y, 0x7362u));
+}
+
+// fp16 bits of element i of a read8 result.
+__device__ __forceinline__ unsigned short half_of(const uint4& w, int i) {
+    const unsigned int word = i < 2 ? w.x : (i < 4 ? w.y : (i < 6 ? w.z : w.w));
+    return (unsigned short)(word >> (16 * (i & 1)));
+}
+
 // floor(log2|x|) from the fp32 magnitude bits, exact for subnormals; zero -> ZERO_EXPONENT. Integer-only,
 // so CuPy's -ftz=true cannot flush it.
 __device__ __forceinline__ int floor_log2_bits(unsigned int magnitude) {

@@ -9,6 +9,9 @@
 // - MODE_TOKEN (kvquant.alignment.value_widths, the paper): each token's width from its plane-A row, then B/C.
 // - MODE_FULL: the 16-bit control, every plane, no rule.
 //
+// PERM (the `_p` kernels) assembles a lane's fp16 bits 8 at a time with byte permutes (planes.cuh read8)
+// instead of an element at a time (read_bits): the same bits, fewer instructions.
+//
 // Grid (n_chunks, BH), NUM_THREADS threads; dynamic shared memory D ints + (NUM_THREADS / 32) * RC * D floats.
 // A lane holds CPT channels (16: one 16-byte load of plane A and 8 of B and C; 8 where D is not a
 // multiple of 16); seg lanes (a power of two >= D / CPT) read one token row, so a warp reads 32 / seg
@@ -44,6 +47,23 @@ __device__ __forceinline__ unsigned int byte_of(const uint2& a, int i) { return 
 __device__ __forceinline__ unsigned int nibble_of(const uint2& b, int i) { return ((i < 8 ? b.x : b.y) >> (4 * (i & 7))) & 0xFu; }
 __device__ __forceinline__ unsigned int nibble_of(const unsigned int& b, int i) { return (b >> (4 * i)) & 0xFu; }
 
+// A lane's CPT plane elements read at `width` as fp16 bits (read8, eight at a time).
+__device__ __forceinline__ void read_row(const uint4& a, const uint2& b, const uint2& c, int width,
+                                         unsigned short* bits) {
+    const uint4 lo = read8(make_uint2(a.x, a.y), b.x, c.x, width), hi = read8(make_uint2(a.z, a.w), b.y, c.y, width);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        bits[i] = half_of(lo, i);
+        bits[8 + i] = half_of(hi, i);
+    }
+}
+__device__ __forceinline__ void read_row(const uint2& a, const unsigned int& b, const unsigned int& c, int width,
+                                         unsigned short* bits) {
+    const uint4 w = read8(a, b, c, width);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) bits[i] = half_of(w, i);
+}
+
 // fp16 bits of CPT tail channels (fp16 in memory): 16-byte loads.
 template <int CPT>
 __device__ __forceinline__ void load_tail(const unsigned short* at, unsigned short* bits) {
@@ -73,7 +93,7 @@ __device__ __forceinline__ int block_width(const float* s_head, int R, int L, co
     return width_from_gap(gap, t12, t8);
 }
 
-template <int RC, int CPT, int MODE>
+template <int RC, int CPT, int MODE, bool PERM>
 __device__ __forceinline__ void sv_impl(
     const float* __restrict__ scores,           // [BH, R, L] probabilities
     const unsigned char* __restrict__ v_a,      // [BH, n_full, D]
@@ -176,7 +196,9 @@ __device__ __forceinline__ void sv_impl(
                     const int j = g0 + (s0 + u) * per_step + slot;
                     if (!valid[u] || !active) continue;
                     unsigned short bits[CPT];
-                    if (plane) {
+                    if (plane && PERM) {
+                        read_row(a[u], b[u], c[u], width[u], bits);
+                    } else if (plane) {
 #pragma unroll
                         for (int i = 0; i < CPT; ++i) {
                             const unsigned int kept = (byte_of(a[u], i) << 8) | (nibble_of(b[u], i) << 4) | nibble_of(c[u], i);
@@ -230,24 +252,30 @@ __device__ __forceinline__ void sv_impl(
     if (threadIdx.x == 0) counter[bh] = 0u;
 }
 
-#define SV_ENTRY(NAME, RC, CPT, MODE)                                                                           \
-    extern "C" __global__ void __launch_bounds__(NUM_THREADS) NAME(                                             \
+// The paper rule's byte-permute kernels spill 12 bytes at ptxas's own register choice (64 for r1_c16_p): they
+// ask for one CTA a SM, which lets it take more; 0 (every other kernel) asks for nothing.
+#define SV_MIN_CTAS(MODE, PERM) ((MODE) == MODE_TOKEN && (PERM) ? 1 : 0)
+#define SV_ENTRY(NAME, RC, CPT, MODE, PERM)                                                                     \
+    extern "C" __global__ void __launch_bounds__(NUM_THREADS, SV_MIN_CTAS(MODE, PERM)) NAME(                    \
         const float* scores, const unsigned char* v_a, const unsigned char* v_b, const unsigned char* v_c,      \
         const unsigned short* tail_v, const unsigned char* v_exp, const int* e_o, float* partial, float* out,   \
         unsigned int* counter, int* wv, unsigned short* values_out, int R, int D, int seg, int n_full,          \
         int n_tail, int tokens_per_cta, int value_block, int t12, int t8) {                                     \
-        sv_impl<RC, CPT, MODE>(scores, v_a, v_b, v_c, tail_v, v_exp, e_o, partial, out, counter, wv,            \
+        sv_impl<RC, CPT, MODE, PERM>(scores, v_a, v_b, v_c, tail_v, v_exp, e_o, partial, out, counter, wv,            \
                                values_out, R, D, seg, n_full, n_tail, tokens_per_cta, value_block, t12, t8);    \
     }
 
-#define SV_ENTRIES(RC)                                          \
-    SV_ENTRY(sv_full_r##RC##_c16, RC, 16, MODE_FULL)            \
-    SV_ENTRY(sv_full_r##RC##_c8, RC, 8, MODE_FULL)              \
-    SV_ENTRY(sv_token_r##RC##_c16, RC, 16, MODE_TOKEN)          \
-    SV_ENTRY(sv_token_r##RC##_c8, RC, 8, MODE_TOKEN)            \
-    SV_ENTRY(sv_block_r##RC##_c16, RC, 16, MODE_BLOCK)          \
-    SV_ENTRY(sv_block_r##RC##_c8, RC, 8, MODE_BLOCK)
+#define SV_ENTRIES(RC, SUFFIX, PERM)                                        \
+    SV_ENTRY(sv_full_r##RC##_c16##SUFFIX, RC, 16, MODE_FULL, PERM)          \
+    SV_ENTRY(sv_full_r##RC##_c8##SUFFIX, RC, 8, MODE_FULL, PERM)            \
+    SV_ENTRY(sv_token_r##RC##_c16##SUFFIX, RC, 16, MODE_TOKEN, PERM)        \
+    SV_ENTRY(sv_token_r##RC##_c8##SUFFIX, RC, 8, MODE_TOKEN, PERM)          \
+    SV_ENTRY(sv_block_r##RC##_c16##SUFFIX, RC, 16, MODE_BLOCK, PERM)        \
+    SV_ENTRY(sv_block_r##RC##_c8##SUFFIX, RC, 8, MODE_BLOCK, PERM)
 
-SV_ENTRIES(1)
-SV_ENTRIES(2)
-SV_ENTRIES(4)
+SV_ENTRIES(1, , false)
+SV_ENTRIES(2, , false)
+SV_ENTRIES(4, , false)
+SV_ENTRIES(1, _p, true)
+SV_ENTRIES(2, _p, true)
+SV_ENTRIES(4, _p, true)

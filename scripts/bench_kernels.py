@@ -15,6 +15,9 @@ per-token scales; queries give logits of a few units. Times are CUDA-event media
 - ``block``: the same with the block-bound value rule (``alignedkv_block``, ``v_block`` 32: one width
   per 32 tokens from the exponent bytes kept at append).
 - ``control``: the same kernels reading every plane, no rule (``full=True``).
+- ``block_w`` / ``control_w``: ``block`` / ``control`` with the warp QK kernel (``qk_kernel="warp"``: each
+  warp reads whole blocks straight from the planes into registers; the others use the tile kernel) and SV's
+  byte-permute reads (``sv_read="permute"``).
 
 Bytes: ``KV MB`` counts what the kernels load from the planes at the widths they chose, plus the
 fp16 tail and metadata; ``all MB`` adds the fp32 score traffic (logits, softmax, top-k, SV). GB/s
@@ -37,7 +40,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SHAPES = {"llama2_7b": (32, 32, 128), "llama3_8b": (32, 8, 128)}  # q heads, kv heads, head_dim
-METHODS = ("sdpa", "aligned", "aligned+", "block", "control")
+METHODS = ("sdpa", "aligned", "aligned+", "block", "control", "block_w", "control_w")
+NEW_KERNELS = {"qk_kernel": "warp", "sv_read": "permute"}  # the _w methods' kernels
 VALUE_BLOCK = 32
 
 
@@ -181,18 +185,27 @@ def bench_one(
         "aligned+": lambda: aligned_attention(store, q, None, scaling, blockwise=True),
         "block": lambda: aligned_attention(store, q, None, scaling, value_rule="block"),
         "control": lambda: aligned_attention(store, q, None, scaling, full=True),
+        "block_w": lambda: aligned_attention(store, q, None, scaling, value_rule="block", **NEW_KERNELS),
+        "control_w": lambda: aligned_attention(store, q, None, scaling, full=True, **NEW_KERNELS),
     }
     runs = {name: fn for name, fn in runs.items() if name in methods}
     for name, fn in runs.items():
         row[f"{name} ms"] = cuda_time(fn, repeats) * 1e3
     fp16_bytes = 2 * 2 * batch * hkv * context * d
     row["sdpa GB/s"] = fp16_bytes / row["sdpa ms"] * 1e-6
-    kernels = [("aligned", False, False), ("aligned+", True, False), ("block", False, False), ("control", False, True)]
+    kernels = [
+        ("aligned", False, False),
+        ("aligned+", True, False),
+        ("block", False, False),
+        ("control", False, True),
+        ("block_w", False, False),
+        ("control_w", False, True),
+    ]
     for name, blockwise, full in kernels:
         if name not in runs:
             continue
         _, wk, wv = runs[name]()
-        loaded, bits_k, bits_v = kv_bytes(store, wk, wv, blockwise, block_rule=name == "block")
+        loaded, bits_k, bits_v = kv_bytes(store, wk, wv, blockwise, block_rule=name.startswith("block"))
         moved = loaded + score_bytes(batch, hq, context, rule=not full)
         row[f"{name} KV MB"] = loaded / 1e6
         row[f"{name} GB/s"] = moved / row[f"{name} ms"] * 1e-6
@@ -214,9 +227,12 @@ COLUMNS = [
     ("aligned+ ms", "{:.3f}"),
     ("block ms", "{:.3f}"),
     ("control ms", "{:.3f}"),
+    ("block_w ms", "{:.3f}"),
+    ("control_w ms", "{:.3f}"),
     ("sdpa/aligned", "{:.2f}"),
     ("sdpa/aligned+", "{:.2f}"),
     ("sdpa/block", "{:.2f}"),
+    ("sdpa/block_w", "{:.2f}"),
     ("control/aligned", "{:.2f}"),
     ("aligned bits K", "{:.2f}"),
     ("aligned bits V", "{:.2f}"),
@@ -231,6 +247,9 @@ COLUMNS = [
     ("block %copy", "{:.0f}"),
     ("control GB/s", "{:.0f}"),
     ("control %copy", "{:.0f}"),
+    ("block_w GB/s", "{:.0f}"),
+    ("block_w %copy", "{:.0f}"),
+    ("control_w %copy", "{:.0f}"),
     ("sdpa GB/s", "{:.0f}"),
 ]
 
@@ -243,6 +262,7 @@ def table(rows: list[dict]) -> str:
             "sdpa/aligned": ("sdpa", "aligned"),
             "sdpa/aligned+": ("sdpa", "aligned+"),
             "sdpa/block": ("sdpa", "block"),
+            "sdpa/block_w": ("sdpa", "block_w"),
             "control/aligned": ("control", "aligned"),
         }.items():
             if f"{num} ms" in row and f"{den} ms" in row:

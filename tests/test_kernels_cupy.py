@@ -332,6 +332,106 @@ def test_split_arithmetic_covers_every_token_once(n, bh, sms):
         assert all(start // value_block == (start + 31) // value_block for start in starts)
 
 
+@pytest.mark.parametrize("width", [8, 12, 16])
+def test_read8_reads_every_element_as_read_planes(width):
+    """The warp kernel's ``read8`` (``launch.read8_words``, line for line) on all 65,536 (A byte, B nibble,
+    C nibble) elements shuffled into rows of 8 (zeros, subnormals, exponent 31 and ordinary elements share
+    words), plus rows of only ±0, of only ±inf and of zero high bytes over nonzero nibbles: each element as
+    ``read_bits`` reads it, and, NaN aside (storage never holds one), as ``kvquant.bits.read_planes``."""
+    from kernels_cupy.launch import read8_words
+    from kvquant.bits import fp16_bits, pack_nibbles, read_planes
+
+    gen = torch.Generator().manual_seed(width)
+    bits = torch.arange(65536)[torch.randperm(65536, generator=gen)].view(-1, 8)
+    special = torch.tensor([[0x0000, 0x8000] * 4, [0x7C00, 0xFC00] * 4, [0x000F, 0x80F0, 0x0001, 0x8010] * 2])
+    bits = torch.cat([bits, special])
+    a, nib_b, nib_c = bits >> 8, (bits >> 4) & 0xF, bits & 0xF
+    packed_b, packed_c = pack_nibbles(nib_b), pack_nibbles(nib_c)
+    shifts = torch.arange(4) * 8
+    a_words = torch.stack([(a[:, 4 * h : 4 * h + 4] << shifts).sum(-1) for h in (0, 1)], dim=-1)
+    b_word = (packed_b.long() << shifts).sum(-1) if width >= 12 else torch.zeros(len(bits), dtype=torch.long)
+    c_word = (packed_c.long() << shifts).sum(-1) if width == 16 else torch.zeros(len(bits), dtype=torch.long)
+    words = read8_words(a_words, b_word, c_word, width)
+    got = torch.stack([words & 0xFFFF, words >> 16], dim=-1).flatten(-2)
+    kept = bits & ((0xFFFF << (16 - width)) & 0xFFFF)
+    as_is = ((kept & 0x7FFF) == 0) | (((bits >> 10) & 0x1F) == 31)
+    fill = 0 if width == 16 else 1 << (15 - width)
+    assert torch.equal(got, torch.where(as_is, kept, kept | fill))
+    want = fp16_bits(read_planes(a.to(torch.uint8), packed_b.to(torch.uint8), packed_c.to(torch.uint8), width))
+    nan = (((bits >> 10) & 0x1F) == 31) & ((bits & 0x3FF) != 0)
+    assert torch.equal(got[~nan], want[~nan].long())
+
+
+@pytest.mark.parametrize("sms", [132, 108])
+@pytest.mark.parametrize("bh", [1, 8, 32, 256])
+@pytest.mark.parametrize("n_units", [1, 7, 64, 65, 2048])
+def test_warp_kernel_split_gives_each_warp_whole_units(n_units, bh, sms):
+    """Every unit in exactly one CTA, in whole rounds of the CTA's 8 warps; decode rows take the warp kernel up
+    to 4 a KV head (accumulated as 1, 2 or 4), longer chunks the tile kernel; shared memory as the kernel lays
+    it out."""
+    from kernels_cupy.launch import qk_warp_rows, qk_warp_shared_bytes, qk_warp_split
+
+    per_cta, n_ctas = qk_warp_split(n_units, bh, sms)
+    assert per_cta % 8 == 0 and (n_ctas - 1) * per_cta < n_units <= n_ctas * per_cta
+    assert [qk_warp_rows(r) for r in range(1, 7)] == [1, 2, 4, 4, None, None]
+    assert qk_warp_shared_bytes(128, 4) == (4 * 128 + 2 * 128 + 128) * 4 and qk_warp_shared_bytes(8, 1) == 32 * 4
+
+
+def qk_signature() -> list[tuple[str, str]]:
+    """``(type, name)`` of each parameter of both QK kernels (qk.cu's ``QK_PARAMS``)."""
+    text = (SOURCE_DIR / "qk.cu").read_text().replace("\\\n", "\n")
+    start = text.index("#define QK_PARAMS") + len("#define QK_PARAMS")
+    out = []
+    for param in (
+        " ".join(x.replace("__restrict__", "").split()) for x in text[start : text.index("#define", start)].split(",")
+    ):
+        kind, name = param.replace("*", "* ").rsplit(" ", 1)
+        out.append(("ptr" if "*" in kind else kind.replace("const ", "").strip(), name))
+    return out
+
+
+KERNEL_ARG_KINDS = {np.uint64: "ptr", np.int32: "int", np.int64: "long long", np.float32: "float"}
+
+
+@pytest.mark.parametrize("qk_kernel", ["tile", "warp"])
+@pytest.mark.parametrize(("mode", "blockwise"), [("aligned", False), ("blockwise", True), ("full", False)])
+@pytest.mark.parametrize(("hq", "q_len"), [(4, 1), (8, 1), (16, 1), (4, 2), (8, 5)])
+def test_qk_launch_arguments_match_the_kernels_signature(qk_kernel, mode, blockwise, hq, q_len, monkeypatch):
+    """Each argument of a QK launch has its parameter's type, in order, and the named sizes are the store's and
+    the split's; ``warp`` takes ``qk_warp_{aligned,blockwise,full}_r{1,2,4}`` at up to 4 rows a KV head (on the
+    warp split, its own shared memory), the tile kernel past that (a misordered argument would only show on a
+    GPU otherwise)."""
+    from kernels_cupy import ops
+    from kernels_cupy.launch import qk_warp_shared_bytes, qk_warp_split
+
+    calls = []
+    monkeypatch.setattr(ops, "ptr", lambda t: np.uint64(0 if t is None else t.data_ptr()))  # CPU tensors
+    monkeypatch.setattr(ops, "sm_count", lambda index: 132)
+    monkeypatch.setattr(ops, "shared_memory_budget", lambda index: SM90)
+    monkeypatch.setattr(ops, "launch", lambda *args, **kw: calls.append((args, kw)))
+    monkeypatch.setattr(ops, "_geometry", lambda store, q: (*q.shape, 4, q.shape[1] // 4 * q.shape[2], store.n_tokens))
+    b, hkv, d, n = 2, 4, 64, 300
+    k, v, q = random_kv(b, hq, hkv, d, n, seed=1, q_len=q_len)
+    store = cpu_store(k, v, True, chunks_for(n))
+    ops._qk(store, q, d**-0.5, (4, 8), blockwise, mode == "full", True, None, qk_kernel)
+    ((source, name, grid, block, args), kw) = calls[0]
+    assert len(calls) == 1 and source == "qk.cu" and block == 256
+    params = qk_signature()
+    assert [KERNEL_ARG_KINDS[type(x)] for x in args] == [kind for kind, _ in params]
+    named = {param: x for (_, param), x in zip(params, args, strict=True)}
+    rows = hq // hkv * q_len
+    warp = qk_kernel == "warp" and rows <= 4
+    rt = next(r for r in (1, 2, 4) if rows <= r) if warp else None
+    assert name == (f"qk_warp_{mode}_r{rt}" if warp else ops.TILE_KERNELS[mode])
+    per_cta, n_ctas = (qk_warp_split if warp else qk_split)(5, b * hkv, 132)
+    assert grid == (n_ctas, b * hkv) and int(named["units_per_cta"]) == per_cta
+    assert kw["shared_mem"] == (qk_warp_shared_bytes(d, rows) if warp else qk_shared_bytes(d)[1] + rows * d * 4)
+    want = {"R": rows, "R_total": rows, "row0": 0, "D": d, "nblk": 4, "cap_blk": 4, "n_tail": n - 256}
+    assert {key: int(named[key]) for key in want} == want
+    assert bool(named["k_exp"]) == (mode == "blockwise") and bool(named["wk"]) == (mode != "full")
+    assert bool(named["keys_out"]) and bool(named["partial_ml"]) and float(named["scaling"]) == np.float32(d**-0.5)
+
+
 @pytest.mark.parametrize("d", [8, 16, 24, 64, 96, 128, 256])
 def test_sv_lanes_cover_the_row_with_aligned_loads(d):
     """Each active lane holds CPT whole channels (16 where d allows: a 16-byte plane-A load), lanes of a row
@@ -512,10 +612,11 @@ def test_append_writes_the_plane_store_layout(shape, block_exponents, value_bloc
 
 
 @gpu_test
+@pytest.mark.parametrize("qk_kernel", ["tile", "warp"])
 @pytest.mark.parametrize("blockwise", [False, True])
 @pytest.mark.parametrize("thresholds", THRESHOLDS[:3])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_qk_reads_and_widths_match_reference(shape, thresholds, blockwise):
+def test_qk_reads_and_widths_match_reference(shape, thresholds, blockwise, qk_kernel):
     from kernels_cupy.ops import qk
     from kernels_cupy.reference import reference_attention
 
@@ -524,17 +625,20 @@ def test_qk_reads_and_widths_match_reference(shape, thresholds, blockwise):
     store = cpu_store(k, v, blockwise, chunks_for(n))
     scaling = d**-0.5
     ref = reference_attention(store, q, None, scaling, thresholds, (4, 8), 32, blockwise)
-    logits, wk, keys = qk(to_device(store, "cuda"), q.cuda(), scaling, thresholds, blockwise, return_keys=True)
+    logits, wk, keys = qk(
+        to_device(store, "cuda"), q.cuda(), scaling, thresholds, blockwise, return_keys=True, qk_kernel=qk_kernel
+    )
     assert torch.equal(wk.cpu(), ref["wk"])
     assert torch.equal(keys.cpu().view(torch.int16), ref["keys"].view(torch.int16))
     assert_within(logits, ref["logits"], logit_bound(q, ref["keys"], scaling), "logits")
 
 
 @gpu_test
+@pytest.mark.parametrize("sv_read", ["bytes", "permute"])
 @pytest.mark.parametrize("thresholds", THRESHOLDS)
 @pytest.mark.parametrize(("topk", "rule"), [(32, "token"), (7, "token"), (32, "block32"), (7, "block64")])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_value_widths_and_sv_match_reference(shape, topk, rule, thresholds):
+def test_value_widths_and_sv_match_reference(shape, topk, rule, thresholds, sv_read):
     """Given the reference's (fp32) scores, V widths (the paper's rule, or the block rule:
     ``block_value_widths``) and reads are identical and SV is within fp32 rounding."""
     from kernels_cupy.ops import sv, value_exponents
@@ -548,18 +652,22 @@ def test_value_widths_and_sv_match_reference(shape, topk, rule, thresholds):
     gpu_store = to_device(store, "cuda")
     scores = ref["scores"].cuda()
     e_o = value_exponents(gpu_store, scores, topk)
-    out, wv, values = sv(gpu_store, scores, e_o, thresholds, return_values=True, value_rule=value_rule)
+    out, wv, values = sv(gpu_store, scores, e_o, thresholds, return_values=True, value_rule=value_rule, sv_read=sv_read)
     assert torch.equal(wv.cpu(), ref["wv"])
     assert torch.equal(values.cpu().view(torch.int16), ref["values"].view(torch.int16))
     bound = output_bound(ref["scores"], ref["values"], torch.zeros(1), 1)
     assert_within(out, ref["out"], bound, "SV")
 
 
+KERNEL_CHOICES = [("tile", "bytes"), ("warp", "permute")]  # the validated kernels, and the new ones
+
+
 @gpu_test
+@pytest.mark.parametrize(("qk_kernel", "sv_read"), KERNEL_CHOICES)
 @pytest.mark.parametrize("value_rule", ["token", "block"])
 @pytest.mark.parametrize("blockwise", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_aligned_attention_end_to_end(shape, blockwise, value_rule):
+def test_aligned_attention_end_to_end(shape, blockwise, value_rule, qk_kernel, sv_read):
     """The whole step (three launches): K widths identical; the kernel's own fp32 scores within fp32
     rounding of the reference's; V widths identical to the rule (the paper's, or the block rule per 32
     tokens) applied to those scores; output within fp32 rounding."""
@@ -572,8 +680,9 @@ def test_aligned_attention_end_to_end(shape, blockwise, value_rule):
     gpu_store, scaling = to_device(store, "cuda"), d**-0.5
     ref = reference_attention(store, q, None, scaling, (4, 8), (4, 8), 32, blockwise, value_rule)
     out, wk, wv, own_scores = aligned_attention(
-        gpu_store, q.cuda(), None, scaling, (4, 8), (4, 8), 32, blockwise, value_rule=value_rule, return_scores=True
-    )
+        gpu_store, q.cuda(), None, scaling, (4, 8), (4, 8), 32, blockwise, value_rule=value_rule, return_scores=True,
+        qk_kernel=qk_kernel, sv_read=sv_read,
+    )  # fmt: skip
     assert torch.equal(wk.cpu(), ref["wk"])
     own_scores = own_scores.cpu()
     err = logit_bound(q, ref["keys"], scaling)
@@ -593,8 +702,9 @@ def test_aligned_attention_end_to_end(shape, blockwise, value_rule):
 
 
 @gpu_test
+@pytest.mark.parametrize(("qk_kernel", "sv_read"), KERNEL_CHOICES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_16_bit_control_reads_every_plane(shape):
+def test_16_bit_control_reads_every_plane(shape, qk_kernel, sv_read):
     from kernels_cupy.ops import aligned_attention
     from kernels_cupy.reference import reference_attention
 
@@ -603,7 +713,9 @@ def test_16_bit_control_reads_every_plane(shape):
     store = cpu_store(k, v, False, chunks_for(n))
     ref = reference_attention(store, q, None, d**-0.5, (math.inf, math.inf), (math.inf, math.inf))
     assert bool((ref["wk"] == 16).all() and (ref["wv"] == 16).all())
-    out, wk, wv = aligned_attention(to_device(store, "cuda"), q.cuda(), None, d**-0.5, full=True)
+    out, wk, wv = aligned_attention(
+        to_device(store, "cuda"), q.cuda(), None, d**-0.5, full=True, qk_kernel=qk_kernel, sv_read=sv_read
+    )
     assert wk is None and wv is None
     err = logit_bound(q, ref["keys"], d**-0.5)
     assert_within(out, ref["out"], output_bound(ref["scores"], ref["values"], err, 1), "16-bit control")
@@ -650,14 +762,16 @@ def test_backend_cupy_generates_as_the_torch_backend_on_stories260k(method_name)
 
 
 @gpu_test
+@pytest.mark.parametrize(("hq", "qk_kernel", "sv_read"), [(8, "tile", "bytes"), (4, "warp", "permute")])
 @pytest.mark.parametrize("kind", ["bool", "additive", "additive_fp16"])
-def test_chunk_of_queries_with_a_mask(kind):
+def test_chunk_of_queries_with_a_mask(kind, hq, qk_kernel, sv_read):
     """Two queries per step (prefill_aligned) with a boolean or additive mask (applied inside QK, broadcast
-    over heads by strides): rows are the most demanding query's."""
+    over heads by strides): rows are the most demanding query's. 4 query heads: 4 rows a KV head, the warp
+    kernel's most."""
     from kernels_cupy.ops import aligned_attention
     from kernels_cupy.reference import reference_attention
 
-    b, hq, hkv, d, n = 2, 8, 2, 64, 333
+    b, hkv, d, n = 2, 2, 64, 333
     k, v, q = random_kv(b, hq, hkv, d, n, seed=7, q_len=2)
     mask = torch.ones(b, 1, 2, n, dtype=torch.bool)
     mask[:, :, 0, -1] = False
@@ -668,7 +782,9 @@ def test_chunk_of_queries_with_a_mask(kind):
         mask = mask.half() if kind == "additive_fp16" else mask
     store = cpu_store(k, v, False, chunks_for(n))
     ref = reference_attention(store, q, mask, d**-0.5)
-    out, wk, wv = aligned_attention(to_device(store, "cuda"), q.cuda(), mask.cuda(), d**-0.5)
+    out, wk, wv = aligned_attention(
+        to_device(store, "cuda"), q.cuda(), mask.cuda(), d**-0.5, qk_kernel=qk_kernel, sv_read=sv_read
+    )
     assert torch.equal(wk.cpu(), ref["wk"])
     assert_few_tokens_differ(wv, ref["wv"], "V widths")
     err = logit_bound(q, ref["keys"], d**-0.5)
@@ -786,14 +902,19 @@ def test_prefill_chunk_beyond_shared_memory_is_split_into_row_chunks(budget, blo
 
 
 @gpu_test
+@pytest.mark.parametrize(("qk_kernel", "sv_read"), KERNEL_CHOICES)
 @pytest.mark.parametrize("value_rule", ["token", "block", "control"])
-def test_decode_step_replays_in_a_cuda_graph(value_rule):
+def test_decode_step_replays_in_a_cuda_graph(value_rule, qk_kernel, sv_read, monkeypatch):
     """``attend`` for a fixed-size store captured in ``torch.cuda.graph``: no host sync, no allocation of the
     ticket counters inside, and the replays equal eager steps bit for bit (every sum in a fixed order),
-    also after a new query is copied into the captured buffer."""
+    also after a new query is copied into the captured buffer; with either kernel set as the module defaults."""
+    from kernels_cupy import ops
     from kernels_cupy.backend import attend
     from kernels_cupy.ops import aligned_attention
     from kvquant.formats.planes import AlignedRule
+
+    monkeypatch.setattr(ops, "QK_KERNEL", qk_kernel)
+    monkeypatch.setattr(ops, "SV_READ", sv_read)
 
     b, hq, hkv, d, n = 2, 8, 2, 128, 1000
     k, v, q = random_kv(b, hq, hkv, d, n, seed=13)
