@@ -6,7 +6,9 @@
 
 One decode step (one query token per sequence) over a cache of ``context`` tokens, on K/V with
 Llama-like channel outliers (log-normal channel scales, a few channels 20x larger) and values with
-per-token scales; queries give logits of a few units. Times are CUDA-event medians after warm-up.
+per-token scales; queries give logits of a few units. Times are CUDA-event medians after warm-up, of eager
+calls (host work included: what a Python loop pays) or, with ``--graph``, of CUDA-graph replays of one call
+(the device's time alone; a method whose capture fails is noted in the row).
 
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on fp16 K/V (GQA without copies).
 - ``aligned`` / ``aligned+``: ``kernels_cupy.ops.aligned_attention`` (widths, QKᵀ, softmax, value
@@ -59,6 +61,21 @@ def cuda_time(fn, repeats: int, warmup: int = 3) -> float:
         stop.synchronize()
         times.append(start.elapsed_time(stop) / 1e3)
     return statistics.median(times)
+
+
+def graph_time(fn, repeats: int) -> float:
+    """Median seconds of replaying ``fn`` captured in a CUDA graph (warmed up on a side stream first, so
+    compilation, ticket counters and workspaces exist before the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time(graph.replay, repeats)
 
 
 def copy_bandwidth(n_bytes: int = 2**31, repeats: int = 10) -> float:
@@ -165,6 +182,7 @@ def bench_one(
     copy_bw: float,
     methods: tuple[str, ...] = METHODS,
     profile_steps: int = 0,
+    graph: bool = False,
 ) -> dict:
     from kernels_cupy.ops import aligned_attention, append
     from kvquant.formats.planes import PlaneStore
@@ -190,7 +208,11 @@ def bench_one(
     }
     runs = {name: fn for name, fn in runs.items() if name in methods}
     for name, fn in runs.items():
-        row[f"{name} ms"] = cuda_time(fn, repeats) * 1e3
+        try:
+            row[f"{name} ms"] = (graph_time if graph else cuda_time)(fn, repeats) * 1e3
+        except RuntimeError as exc:  # a capture that fails is this method's result, not the run's end
+            row["note"] = f"{row.get('note', '')} {name}: graph capture failed ({str(exc).splitlines()[0][:80]})"
+    runs = {name: fn for name, fn in runs.items() if f"{name} ms" in row}
     fp16_bytes = 2 * 2 * batch * hkv * context * d
     row["sdpa GB/s"] = fp16_bytes / row["sdpa ms"] * 1e-6
     kernels = [
@@ -251,6 +273,7 @@ COLUMNS = [
     ("block_w %copy", "{:.0f}"),
     ("control_w %copy", "{:.0f}"),
     ("sdpa GB/s", "{:.0f}"),
+    ("note", "{}"),
 ]
 
 
@@ -267,7 +290,7 @@ def table(rows: list[dict]) -> str:
         }.items():
             if f"{num} ms" in row and f"{den} ms" in row:
                 row[ratio] = row[f"{num} ms"] / row[f"{den} ms"]
-        cells = [fmt.format(row[name]) if name in row else row.get("note", "") for name, fmt in COLUMNS]
+        cells = [fmt.format(row[name]).strip() if name in row else "" for name, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -281,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--max-seconds", type=float, default=0.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays of each call (device time)")
     parser.add_argument(
         "--profile",
         default="",
@@ -318,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     copy_bw = copy_bandwidth()
     device = torch.cuda.get_device_name()
-    header = f"device: {device}; torch {torch.__version__}; measured D2D copy: {copy_bw / 1e9:.0f} GB/s (read + write)"
+    timing = "CUDA-graph replays (device time)" if args.graph else "eager calls (host work included)"
+    header = (
+        f"device: {device}; torch {torch.__version__}; measured D2D copy: {copy_bw / 1e9:.0f} GB/s (read + write); "
+        f"times: {timing}"
+    )
     print(header, flush=True)
     rows = []
     for batch in (int(x) for x in args.batches.split(",")):
@@ -329,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 steps = 20 if args.profile == f"{shape}:{batch}:{context}" else 0
                 try:
-                    rows.append(bench_one(shape, batch, context, args.repeats, copy_bw, methods, steps))
+                    rows.append(bench_one(shape, batch, context, args.repeats, copy_bw, methods, steps, args.graph))
                 except torch.OutOfMemoryError:
                     rows.append({"shape": shape, "batch": batch, "context": context, "note": "out of memory"})
                 torch.cuda.empty_cache()  # this configuration's K/V and planes are gone with bench_one's frame

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of kernels_cupy, in one call of at most 560 s (its budgets) on a lent GPU machine:
+# The GPU check of kernels_cupy, in one call of at most 570 s (its budgets) on a lent GPU machine:
 # a usable-GPU check, every module compiled once, the gpu-marked tests, the decode-attention and whole-step
 # benchmarks, one results file.
 #
@@ -10,18 +10,21 @@
 # W&B, lm-eval or platformdirs (the converted model goes to $XDG_CACHE_HOME/kvquant, default
 # ~/.cache/kvquant). pytest-xdist and pytest-timeout are used where installed (tests on 8 workers, 120 s a
 # test). Writes OUT_DIR/results.md (device, date, compile times, test verdict, benchmark tables), device.txt,
-# compile.log, tests.log, tests.xml, bench.log, bench.md, step.log, step.md, aquakv.log and aquakv.md.
+# compile.log, tests.log, tests.xml, bench.log, bench.md, graph.log, graph.md, step.log, step.md, aquakv.log and
+# aquakv.md.
 #
 # The benchmarks are reduced versions of issues 32 and 33's: attention only, SDPA vs the paper's rule vs
 # the block rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes
-# read and % of the copy bandwidth measured in the same run, and the kernels one step runs at batch 8, 32K
-# (scripts/bench_kernels.py); and whole decode steps on a random-weight Llama-2-7B layout at 4K and 32K,
+# read and % of the copy bandwidth measured in the same run, the block rule and the control also on the warp QK
+# kernel and byte-permute SV reads (opt-in until validated here), and the kernels one step runs at batch 8,
+# 32K (scripts/bench_kernels.py); the same at 4K and 32K as CUDA-graph replays (device time, no host work);
+# and whole decode steps on a random-weight Llama-2-7B layout at 4K and 32K,
 # each cache against DynamicCache (each named with its backend, `kivi2@torch` beside `kivi2@cupy`: `auto` picks
 # CuPy for some formats), and AQUA-KV's (random predictors) on a Llama-3.1-8B layout at 4K against
 # DynamicCache and its floor (scripts/bench_step.py).
 #
 # Fails closed. Exit 0 only when every module compiled, every gpu-marked test ran and passed (none skipped,
-# at least one collected) and the three benchmark runs exited 0; 2 when CuPy or the GPU is unusable (one
+# at least one collected) and the four benchmark runs exited 0; 2 when CuPy or the GPU is unusable (one
 # `error:` line, nothing else run); 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,13 +73,13 @@ cat "$OUT_DIR/device.txt"
 timeout 90 "$PY" scripts/gpu_compile.py 2>&1 | tee "$OUT_DIR/compile.log"
 compile_status=${PIPESTATUS[0]}
 
-# 3. Tests (<= 200 s): every gpu-marked test of the kernels and of the caches on CUDA. The verdict is read
+# 3. Tests (<= 180 s): every gpu-marked test of the kernels and of the caches on CUDA. The verdict is read
 # from the JUnit report, so a skip counts against the check whatever pytest exits.
 plugins=()
 "$PY" -c "import xdist" 2>/dev/null && plugins+=(-n 8)
 "$PY" -c "import pytest_timeout" 2>/dev/null && plugins+=(--timeout 120)
 rm -f "$OUT_DIR/tests.xml"
-timeout 200 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py tests/test_kernels_cupy_higgs.py \
+timeout 180 "$PY" -m pytest tests/test_kernels_cupy.py tests/test_kernels_cupy_codes.py tests/test_kernels_cupy_higgs.py \
   tests/test_kernels_cupy_aquakv.py tests/test_cache.py -m gpu -q -rs --tb=short -p no:cacheprovider "${plugins[@]}" \
   --junitxml="$OUT_DIR/tests.xml" 2>&1 | tee "$OUT_DIR/tests.log"
 test_status=${PIPESTATUS[0]}
@@ -95,11 +98,11 @@ EOF
   )
   verdict_status=$?
 else
-  verdict="no test report: pytest did not finish (exit $test_status; 124 is the 200 s timeout)"
+  verdict="no test report: pytest did not finish (exit $test_status; 124 is the 180 s timeout)"
   verdict_status=1
 fi
 
-# 4. Benchmarks (<= 90 s + 100 s + 40 s): whatever a budget leaves is listed as skipped, so the call ends in
+# 4. Benchmarks (<= 90 s + 30 s + 100 s + 40 s): whatever a budget leaves is listed as skipped, so the call ends in
 # time. Attention only (AlignedKV's kernels vs SDPA), then whole decode steps on a random-weight Llama-2-7B
 # layout (each cache vs DynamicCache, the torch path beside the CuPy kernels), then AQUA-KV's on a
 # Llama-3.1-8B layout (8 KV heads: 1024-channel predictors; Llama-2-7B's 4096 would be 6 GB of weights).
@@ -108,6 +111,10 @@ timeout 90 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,819
   --out "$OUT_DIR/bench.md" 2>&1 \
   | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
+timeout 30 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,32768 --batches 1,8 \
+  --methods sdpa,block,control,block_w,control_w --repeats 10 --max-seconds 20 --graph --out "$OUT_DIR/graph.md" 2>&1 \
+  | tee "$OUT_DIR/graph.log"
+graph_status=${PIPESTATUS[0]}
 timeout 100 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 70 \
   --methods fp16,kivi2@torch,kivi2@cupy,kivi4@cupy,gear2@torch,gear2@cupy,higgs_post_rope@cupy,alignedkv_block@torch,alignedkv_block@cupy \
   --out "$OUT_DIR/step.md" 2>&1 | tee "$OUT_DIR/step.log"
@@ -119,7 +126,7 @@ aquakv_status=${PIPESTATUS[0]}
 status=0
 [ "$compile_status" -eq 0 ] || status=1
 [ "$test_status" -eq 0 ] && [ "$verdict_status" -eq 0 ] || status=1
-[ "$bench_status" -eq 0 ] && [ "$step_status" -eq 0 ] && [ "$aquakv_status" -eq 0 ] || status=1
+[ "$bench_status" -eq 0 ] && [ "$graph_status" -eq 0 ] && [ "$step_status" -eq 0 ] && [ "$aquakv_status" -eq 0 ] || status=1
 {
   echo "# kernels_cupy GPU check: $([ "$status" -eq 0 ] && echo PASSED || echo FAILED)"
   echo
@@ -139,6 +146,10 @@ status=0
   echo
   if [ -s "$OUT_DIR/bench.md" ]; then cat "$OUT_DIR/bench.md"; else tail -n 20 "$OUT_DIR/bench.log"; fi
   echo
+  echo "the same kernels as CUDA-graph replays (exit $graph_status):"
+  echo
+  if [ -s "$OUT_DIR/graph.md" ]; then cat "$OUT_DIR/graph.md"; else tail -n 20 "$OUT_DIR/graph.log"; fi
+  echo
   echo "whole decode step (exit $step_status):"
   echo
   if [ -s "$OUT_DIR/step.md" ]; then cat "$OUT_DIR/step.md"; else tail -n 20 "$OUT_DIR/step.log"; fi
@@ -149,6 +160,6 @@ status=0
 } > "$OUT_DIR/results.md"
 cat "$OUT_DIR/results.md"
 if [ "$status" -ne 0 ]; then
-  echo "error: GPU check failed: compile exit $compile_status; tests exit $test_status ($verdict); benchmarks exit $bench_status, $step_status, $aquakv_status" >&2
+  echo "error: GPU check failed: compile exit $compile_status; tests exit $test_status ($verdict); benchmarks exit $bench_status, $graph_status, $step_status, $aquakv_status" >&2
 fi
 exit "$status"

@@ -250,6 +250,23 @@ def test_bench_counts_bytes_read():
     assert with_exp == bench.kv_bytes(block_store, wk, wv, False)[0] + block_store.v_exp.numel()
 
 
+def test_bench_table_keeps_notes_in_their_column():
+    """A method whose graph capture failed, or a configuration the time budget skipped, is said once in the
+    note column; the ratios come from the times that were measured."""
+    from conftest import load_script
+
+    bench = load_script("bench_kernels")
+    rows = [
+        {"shape": "llama2_7b", "batch": 1, "context": 4096, "sdpa ms": 0.1, "block ms": 0.2, "note": " block_w: x"},
+        {"shape": "llama2_7b", "batch": 8, "context": 32768, "note": "skipped: time budget"},
+    ]
+    lines = bench.table(rows).splitlines()
+    header, *cells = ([c.strip() for c in line.strip("|").split("|")] for line in lines[:1] + lines[2:])
+    assert header[-1] == "note" and len(lines) == 4
+    assert cells[0][-1] == "block_w: x" and cells[0][header.index("sdpa/block")] == "0.50"
+    assert cells[1][-1] == "skipped: time budget" and cells[1][header.index("sdpa ms")] == ""
+
+
 def test_bench_lists_the_kernels_of_a_step():
     """The benchmark's per-step kernel list: calls and time per step, and a total row per method (on a CPU
     the profiler's CPU ops stand in for the device kernels)."""
