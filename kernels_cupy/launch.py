@@ -57,10 +57,13 @@ def qk_warp_shared_bytes(d: int, rows: int) -> int:
 
 
 def qk_warp_split(n_units: int, bh: int, sms: int) -> tuple[int, int]:
-    """``(units per CTA, CTAs per KV head)`` of the warp kernel: ``qk_split``'s, rounded up to whole rounds of
-    its 8 warps (each warp takes every 8th unit of its CTA)."""
+    """``(units per CTA, CTAs per KV head)`` of the warp kernel (each warp takes every 8th unit of its CTA):
+    ``qk_split``'s, rounded up to whole rounds of the 8 warps past 8 units; fewer units than warps stay as
+    they are (idle warps rather than idle SMs where units are scarce)."""
     per_cta, _ = qk_split(n_units, bh, sms)
-    per_cta = math.ceil(per_cta / (THREADS // 32)) * (THREADS // 32)
+    warps = THREADS // 32
+    if per_cta > warps:
+        per_cta = math.ceil(per_cta / warps) * warps
     return per_cta, math.ceil(n_units / per_cta)
 
 

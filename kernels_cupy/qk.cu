@@ -22,7 +22,8 @@
 // qk_warp_* (the warp kernel, decode: at most 4 query rows a KV head): each warp takes whole blocks, lane
 // (tg, cg) reads tokens 8tg..8tg+7 of channels cg, cg+4, ... straight from the planes (read8: a few byte
 // permutes per 8 elements), multiplies in registers, and two shuffles sum the four channel groups; no tile
-// and no barrier per block. Same arguments, the same results (each logit summed in another order).
+// and no barrier per block. Same arguments and the same results bit for bit: both sum a logit's channels in
+// four groups c mod 4, each in ascending order, then (g0 + g1) + (g2 + g3).
 #include "planes.cuh"
 
 #define TILE_STRIDE 66
@@ -81,7 +82,7 @@ __device__ __forceinline__ void store_logit(float acc, int j, int r, float* __re
 
 // One warp per row over this CTA's tokens [t_begin, t_end) (written by this block: visible after the barrier
 // before the call): the row's (max, sum exp(x - max)) into partial_ml.
-__device__ __forceinline__ void store_partial_ml(const float* __restrict__ logits, float* __restrict__ partial_ml,
+__device__ __forceinline__ void store_partial_ml(const float* logits, float* __restrict__ partial_ml,
                                                  int bh, int R_total, int row0, int R, int L, int t_begin,
                                                  int t_end) {
     const int lane = threadIdx.x & 31;
@@ -211,8 +212,8 @@ __device__ __forceinline__ void qk_impl(QK_PARAMS)
 // in a plane block lane (tg, cg) = (lane & 7, lane >> 3) reads, for channels c = cg, cg + 4, ..., 8 bytes of
 // plane A and 4 of B and C (each warp load: 4 adjacent channel rows, contiguous), B only at width >= 12 and C
 // only at 16, and accumulates q_r[c] * k[c, 8tg + i] for its 8 tokens; the xor-8 and xor-16 shuffles add the
-// four channel groups, and lane (tg, cg) stores tokens 8tg + 2cg and 8tg + 2cg + 1. The tail (fp16,
-// token-major) is a lane per token. Rows r >= R of the RT accumulated are neither read nor stored.
+// four channel groups, and lane (tg, cg) stores tokens 8tg + 2cg and 8tg + 2cg + 1. Rows r >= R of the RT
+// accumulated are neither read nor stored.
 template <bool FULL, bool BLOCKWISE, int RT>
 __device__ __forceinline__ void qk_warp_impl(QK_PARAMS) {
     extern __shared__ float smem[];
@@ -288,27 +289,30 @@ __device__ __forceinline__ void qk_warp_impl(QK_PARAMS) {
                 }
             }
         } else {
+            // The tail (fp16, token-major) in the same order: lane (tg, cg) sums channels cg, cg + 4, ... of token
+            // 8p + tg for passes p, and the same two shuffles add the groups (the tile kernel's order exactly).
             const unsigned short* src = tail_k + (long long)bh * n_tail * D;
-            for (int tok = lane; tok < n_tail; tok += 32) {
-                const uint4* row = (const uint4*)(src + (long long)tok * D);
+            for (int tok0 = 0; tok0 < n_tail; tok0 += 8) {
+                const int tok = tok0 + tg;
                 float acc[RT];
 #pragma unroll
                 for (int r = 0; r < RT; ++r) acc[r] = 0.0f;
-                for (int c8 = 0; c8 < D / 8; ++c8) {
-                    const uint4 v = row[c8];
-                    const unsigned int words[4] = {v.x, v.y, v.z, v.w};
-                    if (keys_out != nullptr) ((uint4*)(keys_out + ((long long)bh * L + unit * 64 + tok) * D))[c8] = v;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const float k = half_bits_to_float((unsigned short)(words[i >> 1] >> (16 * (i & 1))));
+                if (tok < n_tail) {
+                    for (int c = cg; c < D; c += 4) {
+                        const unsigned short bits = src[(long long)tok * D + c];
+                        if (keys_out != nullptr) keys_out[((long long)bh * L + unit * 64 + tok) * D + c] = bits;
+                        const float k = half_bits_to_float(bits);
 #pragma unroll
                         for (int r = 0; r < RT; ++r)
-                            if (r < R) acc[r] += qs[r * D + c8 * 8 + i] * k;
+                            if (r < R) acc[r] += qs[r * D + c] * k;
                     }
                 }
 #pragma unroll
-                for (int r = 0; r < RT; ++r)
-                    if (r < R) store_logit(acc[r], unit * 64 + tok, r, LOGIT_ARGS);
+                for (int r = 0; r < RT; ++r) {
+                    acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], 8);
+                    acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], 16);
+                    if (r < R && cg == 0 && tok < n_tail) store_logit(acc[r], unit * 64 + tok, r, LOGIT_ARGS);
+                }
             }
         }
     }

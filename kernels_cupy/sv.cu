@@ -252,11 +252,11 @@ __device__ __forceinline__ void sv_impl(
     if (threadIdx.x == 0) counter[bh] = 0u;
 }
 
-// The paper rule's byte-permute kernels spill 12 bytes at ptxas's own register choice (64 for r1_c16_p): they
-// ask for one CTA a SM, which lets it take more; 0 (every other kernel) asks for nothing.
-#define SV_MIN_CTAS(MODE, PERM) ((MODE) == MODE_TOKEN && (PERM) ? 1 : 0)
+// sv_token_r1_c16_p spills 12 bytes at ptxas's own register choice (64): it asks for two CTAs a SM, which lets
+// ptxas take 112 registers; 0 (every other kernel) asks for nothing.
+#define SV_MIN_CTAS(RC, CPT, MODE, PERM) ((MODE) == MODE_TOKEN && (PERM) && (RC) == 1 && (CPT) == 16 ? 2 : 0)
 #define SV_ENTRY(NAME, RC, CPT, MODE, PERM)                                                                     \
-    extern "C" __global__ void __launch_bounds__(NUM_THREADS, SV_MIN_CTAS(MODE, PERM)) NAME(                    \
+    extern "C" __global__ void __launch_bounds__(NUM_THREADS, SV_MIN_CTAS(RC, CPT, MODE, PERM)) NAME(                    \
         const float* scores, const unsigned char* v_a, const unsigned char* v_b, const unsigned char* v_c,      \
         const unsigned short* tail_v, const unsigned char* v_exp, const int* e_o, float* partial, float* out,   \
         unsigned int* counter, int* wv, unsigned short* values_out, int R, int D, int seg, int n_full,          \

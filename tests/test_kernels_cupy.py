@@ -383,13 +383,15 @@ def test_read8_reads_every_element_as_read_planes(width):
 @pytest.mark.parametrize("bh", [1, 8, 32, 256])
 @pytest.mark.parametrize("n_units", [1, 7, 64, 65, 2048])
 def test_warp_kernel_split_gives_each_warp_whole_units(n_units, bh, sms):
-    """Every unit in exactly one CTA, in whole rounds of the CTA's 8 warps; decode rows take the warp kernel up
-    to 4 a KV head (accumulated as 1, 2 or 4), longer chunks the tile kernel; shared memory as the kernel lays
-    it out."""
+    """Every unit in exactly one CTA, in whole rounds of the CTA's 8 warps or fewer units than warps (then as
+    many CTAs as the tile kernel's split); decode rows take the warp kernel up to 4 a KV head (accumulated as
+    1, 2 or 4), longer chunks the tile kernel; shared memory as the kernel lays it out."""
     from kernels_cupy.launch import qk_warp_rows, qk_warp_shared_bytes, qk_warp_split
 
     per_cta, n_ctas = qk_warp_split(n_units, bh, sms)
-    assert per_cta % 8 == 0 and (n_ctas - 1) * per_cta < n_units <= n_ctas * per_cta
+    assert (per_cta % 8 == 0 or per_cta < 8) and (n_ctas - 1) * per_cta < n_units <= n_ctas * per_cta
+    tile = qk_split(n_units, bh, sms)
+    assert per_cta >= tile[0] and (per_cta >= 8 or (per_cta, n_ctas) == tile)
     assert [qk_warp_rows(r) for r in range(1, 7)] == [1, 2, 4, 4, None, None]
     assert qk_warp_shared_bytes(128, 4) == (4 * 128 + 2 * 128 + 128) * 4 and qk_warp_shared_bytes(8, 1) == 32 * 4
 
@@ -716,6 +718,41 @@ def test_aligned_attention_end_to_end(shape, blockwise, value_rule, qk_kernel, s
     own_out = (own_scores.double().reshape(b, hkv, -1, n) @ own_values.double()).view(b, hq, 1, d)
     assert_within(out, own_out, output_bound(own_scores, own_values, torch.zeros(1), 1), "SV of the kernel's scores")
     assert_within(out, ref["out"], output_bound(ref["scores"], ref["values"], err, 1), "attention")
+
+
+@gpu_test
+@pytest.mark.parametrize(
+    ("value_rule", "blockwise", "full"), [("token", False, False), ("block", True, False), ("token", False, True)]
+)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_new_kernels_give_the_validated_kernels_bits(shape, value_rule, blockwise, full):
+    """The warp QK kernel sums each logit in the tile kernel's order (channel groups c mod 4, ascending, then
+    (g0 + g1) + (g2 + g3)) and ``read8`` gives ``read_bits``' bits: the whole step on the new kernels equals the
+    validated kernels' bit for bit — probabilities, widths, output — with a mask, at 1 and 2 query positions."""
+    from kernels_cupy.ops import aligned_attention
+
+    b, hq, hkv, d, n = shape
+    for q_len in (1, 2):
+        k, v, q = random_kv(b, hq, hkv, d, n, seed=21, q_len=q_len)
+        store = to_device(cpu_store(k, v, blockwise, chunks_for(n), 32 if value_rule == "block" else 0), "cuda")
+        mask = (torch.rand(b, 1, q_len, n, generator=torch.Generator().manual_seed(n)) > 0.1).cuda()
+        runs = [
+            aligned_attention(
+                store,
+                q.cuda(),
+                mask,
+                d**-0.5,
+                blockwise=blockwise,
+                full=full,
+                value_rule=value_rule,
+                return_scores=True,
+                qk_kernel=qk_kernel,
+                sv_read=sv_read,
+            )  # fmt: skip
+            for qk_kernel, sv_read in KERNEL_CHOICES
+        ]
+        for validated, new in zip(*runs, strict=True):
+            assert (validated is None and new is None) or torch.equal(validated, new)
 
 
 @gpu_test
