@@ -58,9 +58,17 @@ __device__ __forceinline__ int key_widths(const float* qs, const unsigned int* _
     return max_p;
 }
 
-// AlignedKV+: a (block, channel)'s width from its exponent byte (fields 0 count as 1, i.e. 2^-14).
-__device__ __forceinline__ int block_key_width(unsigned char k_exp, int e_q, int max_p, int t12, int t8) {
-    return width_from_gap(max_p - (e_q + max((int)k_exp, 1) - 15), t12, t8);
+// A (block, channel) row's width: 16 for the control, the channel's for the token rule, or AlignedKV+'s from the
+// row's exponent byte (fields 0 count as 1, i.e. 2^-14), which the `writer` thread of the row stores in wk.
+template <bool FULL, bool BLOCKWISE>
+__device__ __forceinline__ int row_width(const unsigned char* __restrict__ k_exp, const int* e_q, const int* w_col,
+                                         int* __restrict__ wk, long long blk, int c, int D, int bh, int nblk, int unit,
+                                         int max_p, int t12, int t8, bool writer) {
+    if (FULL) return 16;
+    if (!BLOCKWISE) return w_col[c];
+    const int width = width_from_gap(max_p - (e_q[c] + max((int)k_exp[blk * D + c], 1) - 15), t12, t8);
+    if (writer && wk != nullptr) wk[((long long)bh * nblk + unit) * D + c] = width;
+    return width;
 }
 
 // Logit j of row r (of this launch) scaled, masked and stored.
@@ -145,15 +153,8 @@ __device__ __forceinline__ void qk_impl(QK_PARAMS)
 #pragma unroll 2
             for (int i = threadIdx.x; i < D * 4; i += blockDim.x) {
                 const int c = i >> 2, seg = i & 3;
-                int width = 16;
-                if (!FULL) {
-                    if (BLOCKWISE) {
-                        width = block_key_width(k_exp[blk * D + c], e_q[c], max_p, t12, t8);
-                        if (seg == 0 && wk != nullptr) wk[((long long)bh * nblk + unit) * D + c] = width;
-                    } else {
-                        width = w_col[c];
-                    }
-                }
+                const int width =
+                    row_width<FULL, BLOCKWISE>(k_exp, e_q, w_col, wk, blk, c, D, bh, nblk, unit, max_p, t12, t8, seg == 0);
                 const long long row = blk * D + c;
                 const uint4 a = *((const uint4*)(k_a + row * 64) + seg);
                 uint2 b = make_uint2(0u, 0u), cc = make_uint2(0u, 0u);
@@ -243,15 +244,8 @@ __device__ __forceinline__ void qk_warp_impl(QK_PARAMS) {
                 for (int i = 0; i < 8; ++i) acc[r][i] = 0.0f;
 #pragma unroll 4
             for (int c = cg; c < D; c += 4) {
-                int width = 16;
-                if (!FULL) {
-                    if (BLOCKWISE) {
-                        width = block_key_width(k_exp[blk * D + c], e_q[c], max_p, t12, t8);
-                        if (tg == 0 && wk != nullptr) wk[((long long)bh * nblk + unit) * D + c] = width;
-                    } else {
-                        width = w_col[c];
-                    }
-                }
+                const int width =
+                    row_width<FULL, BLOCKWISE>(k_exp, e_q, w_col, wk, blk, c, D, bh, nblk, unit, max_p, t12, t8, tg == 0);
                 const long long row = blk * D + c;
                 const uint2 a = *((const uint2*)(k_a + row * 64) + tg);
                 unsigned int b = 0u, cc = 0u;

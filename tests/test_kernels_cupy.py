@@ -736,20 +736,10 @@ def test_new_kernels_give_the_validated_kernels_bits(shape, value_rule, blockwis
         k, v, q = random_kv(b, hq, hkv, d, n, seed=21, q_len=q_len)
         store = to_device(cpu_store(k, v, blockwise, chunks_for(n), 32 if value_rule == "block" else 0), "cuda")
         mask = (torch.rand(b, 1, q_len, n, generator=torch.Generator().manual_seed(n)) > 0.1).cuda()
+        kw = {"blockwise": blockwise, "full": full, "value_rule": value_rule, "return_scores": True}
+        query = q.cuda()
         runs = [
-            aligned_attention(
-                store,
-                q.cuda(),
-                mask,
-                d**-0.5,
-                blockwise=blockwise,
-                full=full,
-                value_rule=value_rule,
-                return_scores=True,
-                qk_kernel=qk_kernel,
-                sv_read=sv_read,
-            )  # fmt: skip
-            for qk_kernel, sv_read in KERNEL_CHOICES
+            aligned_attention(store, query, mask, d**-0.5, qk_kernel=qk, sv_read=sv, **kw) for qk, sv in KERNEL_CHOICES
         ]
         for validated, new in zip(*runs, strict=True):
             assert (validated is None and new is None) or torch.equal(validated, new)
