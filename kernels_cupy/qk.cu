@@ -58,6 +58,36 @@ __device__ __forceinline__ int key_widths(const float* qs, const unsigned int* _
     return max_p;
 }
 
+// Both kernels start alike: this launch's R query rows into shared memory (qs [R * D]), then the key widths'
+// inputs (e_q [D], w_col [D], a scratch of max(D, NUM_THREADS / 32) ints); `end` is the first byte after them.
+struct QkSetup {
+    float* qs;
+    int* e_q;
+    int* w_col;
+    void* end;
+    int max_p;
+};
+
+template <bool FULL, bool BLOCKWISE>
+__device__ __forceinline__ QkSetup qk_setup(float* smem, const float* __restrict__ q,
+                                            const unsigned int* __restrict__ q_max_bits,
+                                            const unsigned short* __restrict__ k_absmax, int* __restrict__ wk, int R,
+                                            int R_total, int row0, int D, int t12, int t8) {
+    QkSetup setup;
+    setup.qs = smem;
+    setup.e_q = (int*)(setup.qs + R * D);
+    setup.w_col = setup.e_q + D;
+    int* scratch = setup.w_col + D;
+    setup.end = scratch + max(D, NUM_THREADS / 32);
+    const int bh = blockIdx.y;
+    const float* q_rows = q + ((long long)bh * R_total + row0) * D;
+    for (int i = threadIdx.x; i < R * D; i += blockDim.x) setup.qs[i] = q_rows[i];
+    __syncthreads();
+    setup.max_p = key_widths<FULL, BLOCKWISE>(setup.qs, q_max_bits, k_absmax, setup.e_q, setup.w_col, scratch, wk, bh,
+                                              R, D, t12, t8);
+    return setup;
+}
+
 // A (block, channel) row's width: 16 for the control, the channel's for the token rule, or AlignedKV+'s from the
 // row's exponent byte (fields 0 count as 1, i.e. 2^-14), which the `writer` thread of the row stores in wk.
 template <bool FULL, bool BLOCKWISE>
@@ -129,19 +159,12 @@ template <bool FULL, bool BLOCKWISE>
 __device__ __forceinline__ void qk_impl(QK_PARAMS)
 {
     extern __shared__ float smem[];
-    float* qs = smem;                                   // [R * D]
-    int* e_q = (int*)(qs + R * D);                      // [D]
-    int* w_col = e_q + D;                               // [D]
-    int* scratch = w_col + D;                           // [D] (>= NUM_THREADS / 32)
-    unsigned short* tile = (unsigned short*)(scratch + max(D, NUM_THREADS / 32));
-
+    const QkSetup setup = qk_setup<FULL, BLOCKWISE>(smem, q, q_max_bits, k_absmax, wk, R, R_total, row0, D, t12, t8);
+    float* qs = setup.qs;
+    const int *e_q = setup.e_q, *w_col = setup.w_col, max_p = setup.max_p;
+    unsigned short* tile = (unsigned short*)setup.end;
     const int bh = blockIdx.y;
     const int L = nblk * 64 + n_tail;
-    const float* q_rows = q + ((long long)bh * R_total + row0) * D;
-    for (int i = threadIdx.x; i < R * D; i += blockDim.x) qs[i] = q_rows[i];
-    __syncthreads();
-
-    const int max_p = key_widths<FULL, BLOCKWISE>(qs, q_max_bits, k_absmax, e_q, w_col, scratch, wk, bh, R, D, t12, t8);
 
     const int n_units = nblk + (n_tail > 0 ? 1 : 0);
     const int first = blockIdx.x * units_per_cta;
@@ -218,17 +241,11 @@ __device__ __forceinline__ void qk_impl(QK_PARAMS)
 template <bool FULL, bool BLOCKWISE, int RT>
 __device__ __forceinline__ void qk_warp_impl(QK_PARAMS) {
     extern __shared__ float smem[];
-    float* qs = smem;                                   // [R * D]
-    int* e_q = (int*)(qs + R * D);                      // [D]
-    int* w_col = e_q + D;                               // [D]
-    int* scratch = w_col + D;                           // [D] (>= NUM_THREADS / 32)
-
+    const QkSetup setup = qk_setup<FULL, BLOCKWISE>(smem, q, q_max_bits, k_absmax, wk, R, R_total, row0, D, t12, t8);
+    const float* qs = setup.qs;
+    const int *e_q = setup.e_q, *w_col = setup.w_col, max_p = setup.max_p;
     const int bh = blockIdx.y;
     const int L = nblk * 64 + n_tail;
-    const float* q_rows = q + ((long long)bh * R_total + row0) * D;
-    for (int i = threadIdx.x; i < R * D; i += blockDim.x) qs[i] = q_rows[i];
-    __syncthreads();
-    const int max_p = key_widths<FULL, BLOCKWISE>(qs, q_max_bits, k_absmax, e_q, w_col, scratch, wk, bh, R, D, t12, t8);
 
     const int lane = threadIdx.x & 31, tg = lane & 7, cg = lane >> 3;
     const int n_units = nblk + (n_tail > 0 ? 1 : 0);
