@@ -41,7 +41,8 @@ BLOCK_RULE_V_BLOCKS = (32, 64)  # the block rule's v_block here: whole warps of 
 
 
 def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
-    """What of a model or rule these kernels lack: logit soft-capping, sliding windows, the paper's value
+    """What of a model or rule these kernels lack: head dims off the plane layout, logit soft-capping, sliding
+    windows, the paper's value
     rule per block (``v_block`` > 1 with ``value_rule`` token), and the block rule's ``v_block`` other than
     32 or 64; the code kernels' own (``kernels_cupy.codes.limits``), the HIGGS kernel's
     (``kernels_cupy.higgs.limits``: group and head shapes) and AQUA-KV's (``kernels_cupy.aquakv.limits``)."""
@@ -52,6 +53,9 @@ def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     if fmt == "aquakv":
         return aquakv.limits(fmt, geometry, rule)
     missing = []
+    head_dim = getattr(geometry, "head_dim", None)
+    if head_dim is not None and (head_dim % 8 or not 8 <= head_dim <= 256):
+        missing.append(f"head_dim {head_dim} (the plane kernels take multiples of 8 up to 256)")
     if geometry.softcap is not None:
         missing.append(f"attention-logit soft-capping ({geometry.softcap})")
     if geometry.sliding_window is not None:

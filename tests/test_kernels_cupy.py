@@ -476,7 +476,10 @@ def test_a_decode_step_is_at_most_four_launches():
 
 
 def test_limits_take_the_block_rule_at_warp_sized_blocks():
+    """The plane kernels' limits: the block rule at 32 or 64 tokens, no per-block paper rule, and head dims the
+    layout takes (``auto`` then falls back to torch instead of failing at the first append)."""
     from kernels_cupy.backend import limits
+    from kvquant.cache import KVGeometry
     from kvquant.formats.planes import AlignedRule
 
     class Geometry:
@@ -490,6 +493,11 @@ def test_limits_take_the_block_rule_at_warp_sized_blocks():
         "the block rule at v_block=16 (v_block a multiple of 32 here: 32 or 64)"
     ]
     assert limits("planes", Geometry, AlignedRule(v_block=2)) == ["value widths per block (v_block=2)"]
+    for head_dim, ok in ((8, True), (256, True), (96, True), (12, False), (264, False)):
+        geometry = KVGeometry(2, 4, 2, head_dim)
+        assert limits("planes", geometry, AlignedRule()) == (
+            [] if ok else [f"head_dim {head_dim} (the plane kernels take multiples of 8 up to 256)"]
+        )
 
 
 def kernel_block_widths(scores, v_exp, e_o, value_block, thresholds):
