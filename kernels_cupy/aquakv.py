@@ -43,7 +43,7 @@ from kernels_cupy.higgs import (
     launched,
     rope_kind,
 )
-from kernels_cupy.loader import i32, launch, ptr
+from kernels_cupy.loader import check_device, i32, launch, ptr
 from kvquant.formats.base import Reads
 
 Pred = tuple[torch.Tensor, torch.Tensor] | None
@@ -212,6 +212,7 @@ def reconstruct(
     ``out_k``/``out_v`` (contiguous, e.g. views of the cache's workspace; allocated when None, ``channels``
     giving C): ``higgs_decode`` writes the residuals plus the biases, cuBLAS adds the predictions in place.
     ``kvquant.methods.aquakv.predictors.dequantize_pair`` up to fp32 summation order."""
+    check_device(k_codes)
     device = k_codes.device
     if not k_codes.is_cuda:
         raise ValueError(f"kernels_cupy: the AQUA-KV decode needs CUDA tensors, got codes on {device}")

@@ -24,7 +24,7 @@ import torch
 from kernels_cupy import aquakv, codes, higgs
 from kernels_cupy.aquakv import encode as aquakv_encode
 from kernels_cupy.aquakv import reconstruct as aquakv_reconstruct
-from kernels_cupy.loader import cupy_status
+from kernels_cupy.loader import check_device, cupy_status
 from kernels_cupy.store import KernelPlaneStore
 from kvquant.backends import Backend, register_backend
 from kvquant.formats.base import Reads, causal_allowed
@@ -97,6 +97,7 @@ ATTEND = {
 
 def attend(state: Any, rule: Any, query: torch.Tensor, mask, scaling: float) -> tuple[torch.Tensor, Reads]:
     """The backend protocol (``kvquant.backends.Backend.attend``): the kernels of ``state``'s format."""
+    check_device(query)
     return ATTEND[state.format](state, rule, query, mask, scaling)
 
 

@@ -82,6 +82,16 @@ def ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+def check_device(t: torch.Tensor) -> None:
+    """The kernels launch on the current CUDA device's stream: a tensor on another device (a model spread over
+    several GPUs) would be read in the wrong context, so it is refused in one line."""
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        raise ValueError(
+            f"the CuPy kernels run on the current CUDA device (cuda:{torch.cuda.current_device()}) and this layer's "
+            f"tensors are on {t.device}: use method.backend=torch for a model spread over several GPUs"
+        )
+
+
 def i32(x: int) -> np.int32:
     return np.int32(x)
 

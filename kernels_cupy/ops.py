@@ -31,7 +31,7 @@ from kernels_cupy.launch import (
     sv_split,
     tiers,
 )
-from kernels_cupy.loader import i32, launch, ptr, shared_memory_budget, sm_count
+from kernels_cupy.loader import check_device, i32, launch, ptr, shared_memory_budget, sm_count
 from kvquant.errors import InvalidParameterError, KvquantError
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
     if store.value_block and BLOCK % store.value_block:
         raise InvalidParameterError(f"value_block {store.value_block} must divide the {BLOCK}-token plane block")
     check_head_dim(k.shape[-1])
+    check_device(k)
     check_storable(k, "key")
     check_storable(v, "value")
     k16, v16 = kernel_arg(k.to(torch.float16)), kernel_arg(v.to(torch.float16))

@@ -187,6 +187,20 @@ def test_append_refuses_what_the_model_path_refuses():
     assert str(model_path.value) == f"layer 3: {kernels.value}"
 
 
+def test_a_layer_on_another_gpu_is_refused_in_one_line(monkeypatch):
+    """The kernels launch on the current device: a tensor of a model spread over GPUs is refused (naming the
+    devices and backend=torch) before any launch; CPU tensors and the current device pass."""
+    import types
+
+    from kernels_cupy.loader import check_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    check_device(torch.zeros(1))
+    check_device(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda:0")))
+    with pytest.raises(ValueError, match=r"current CUDA device \(cuda:0\).*on cuda:1: use method.backend=torch"):
+        check_device(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda:1")))
+
+
 def test_kernel_arguments_are_aligned_copies_of_odd_views():
     """An fp16 view at an odd offset would fault on 8/16-byte vector loads: it is copied; aligned ones are not."""
     from kernels_cupy.ops import ALIGN, kernel_arg
