@@ -487,6 +487,11 @@ def test_kernels_that_cannot_run_fall_back_or_refuse(monkeypatch, capsys):
     assert "value widths per block (v_block=8)" in capsys.readouterr().err
     with pytest.raises(InvalidParameterError, match=r"backend=cupy cannot run this model: .*v_block=8"):
         get_method("alignedkv", backend="cupy", v_block=8).new_cache(model)
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 1}  # as accelerate leaves a sharded model
+    assert get_method("alignedkv", backend="auto").new_cache(model).backend == "torch"
+    assert "backend=auto uses torch: the model is spread over several devices (0, 1)" in capsys.readouterr().err
+    with pytest.raises(InvalidParameterError, match=r"backend=cupy cannot run this model: the model is spread"):
+        get_method("alignedkv", backend="cupy").new_cache(model)
 
 
 def test_cpu_kernel_with_prefill_aligned_chunks(stories):

@@ -76,6 +76,13 @@ class KVMethod(ABC):
         backend = resolve_backend(requested, getattr(model, "device", None), self.format, geometry, rule)
         if backend.materializes:
             return backend
+        spread = sorted({str(where) for where in (getattr(model, "hf_device_map", None) or {}).values()})
+        if len(spread) > 1:  # kernels launch on one device
+            lacks = f"the model is spread over several devices ({', '.join(spread)})"
+            if requested != "auto":
+                raise InvalidParameterError(f"backend={requested} cannot run this model: {lacks}; use backend=torch")
+            warn_once(f"warning: backend=auto uses torch: {lacks}")
+            return TORCH
         if not routable(model):  # kernels read inside attention: a model that cannot route has none
             lacks = f"{type(model).__name__} does not route its attention through transformers' AttentionInterface"
             if requested != "auto":
