@@ -94,19 +94,22 @@ def _geometry(store: PlaneStore, query: torch.Tensor) -> tuple[int, int, int, in
     return b, hq, q_len, d, hkv, (hq // hkv) * q_len, store.n_tokens
 
 
-def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor) -> None:
+def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor, checked: bool = False) -> None:
     """``PlaneStore.append`` with the plane split, the max ``|K|``, the key block exponents and the value
     exponent bytes (``store.value_block`` > 0: the block rule's ``v_exp``) done by one kernel pass.
 
     ``k``/``v``: ``[b, h, t, d]`` on a CUDA device (cast to fp16, as the store holds). The tails the
-    store keeps are always its own aligned copies, never the caller's tensors.
+    store keeps are always its own aligned copies, never the caller's tensors. ``checked``: the caller has
+    refused NaN, ±inf and values beyond fp16's range already (a layer's ``to_fp16_checked``, whose verdict on
+    CUDA is read at the next step), so ``check_storable`` and its two host syncs are skipped.
     """
     if store.value_block and BLOCK % store.value_block:
         raise InvalidParameterError(f"value_block {store.value_block} must divide the {BLOCK}-token plane block")
     check_head_dim(k.shape[-1])
     check_device(k)
-    check_storable(k, "key")
-    check_storable(v, "value")
+    if not checked:
+        check_storable(k, "key")
+        check_storable(v, "value")
     k16, v16 = kernel_arg(k.to(torch.float16)), kernel_arg(v.to(torch.float16))
     b, h, t, d = k16.shape
     owned = not store._empty  # a torch.cat below is the store's own; k16 may be the caller's tensor

@@ -187,6 +187,27 @@ def test_append_refuses_what_the_model_path_refuses():
     assert str(model_path.value) == f"layer 3: {kernels.value}"
 
 
+def test_a_layer_store_skips_the_second_check_and_its_syncs(monkeypatch):
+    """``append(checked=True)`` (what a layer's ``KernelPlaneStore`` passes: its values went through
+    ``to_fp16_checked``) does not run ``check_storable``; a direct ``append`` still refuses (the pack kernel is
+    stubbed here: no GPU)."""
+    from kernels_cupy import ops, store
+    from kvquant.errors import KvquantError
+    from kvquant.formats.planes import PlaneStore
+
+    monkeypatch.setattr(ops, "launch", lambda *args, **kw: None)
+    monkeypatch.setattr(ops, "ptr", lambda t: np.uint64(0 if t is None else t.data_ptr()))
+    k, v, _ = random_kv(1, 2, 2, 16, 70)
+    v[0, 1, 3, 5] = math.inf
+    with pytest.raises(KvquantError, match="NaN/inf"):
+        ops.append(PlaneStore(), k, v)
+    ops.append(PlaneStore(), k, v, checked=True)
+    calls = []
+    monkeypatch.setattr(store, "append", lambda *args, **kw: calls.append(kw))
+    store.KernelPlaneStore().append(k, v)
+    assert calls == [{"checked": True}]
+
+
 def test_a_layer_on_another_gpu_is_refused_in_one_line(monkeypatch):
     """The kernels launch on the current device: a tensor of a model spread over GPUs is refused (naming the
     devices and backend=torch) before any launch; CPU tensors and the current device pass."""
