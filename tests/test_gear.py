@@ -149,9 +149,9 @@ def test_constant_input_stays_finite():
 def test_streaming_compresses_each_block_once(monkeypatch):
     calls = []
 
-    def counting(x, bits, axis, group_size, mask=None):
+    def counting(x, bits, axis, group_size, mask=None, checked=False):
         calls.append((axis, x.shape[2]))
-        return quantize(x, bits, axis, group_size, mask)
+        return quantize(x, bits, axis, group_size, mask, checked)
 
     monkeypatch.setattr(gear_format, "quantize", counting)
     layer = gear_layer(bits=2, group_size=64, residual=128)

@@ -136,6 +136,10 @@ def test_non_finite_kv_names_the_layer():
     bad[0, 1, 2, 3] = float("inf")
     with pytest.raises(NonFiniteKVError, match="layer 3 received non-finite keys"):
         cache.update(bad, k, 3)
+    bad[0, 1, 2, 3] = 7e4  # finite, but no fp16 window or scale holds it
+    with pytest.raises(NonFiniteKVError, match="layer 4 received .* keys beyond fp16's ±65504"):
+        cache.update(bad, k, 4)
+    cache.update(torch.full_like(k, 65504.0), k, 5)  # fp16's own extreme is fine
 
 
 # --- layout, flush rules, incrementality ----------------------------------------------------------
@@ -158,9 +162,9 @@ def test_windows_and_quantized_lengths_follow_the_flush_rules():
 def test_decode_quantizes_only_what_leaves_the_window(monkeypatch):
     calls = []
 
-    def counting(x, bits, axis, group_size, mask=None):
+    def counting(x, bits, axis, group_size, mask=None, checked=False):
         calls.append((axis, x.shape[2]))
-        return quantize(x, bits, axis, group_size, mask)
+        return quantize(x, bits, axis, group_size, mask, checked)
 
     monkeypatch.setattr(codes, "quantize", counting)
     layer = kivi_layer(bits=2, group_size=8, residual=32)

@@ -164,6 +164,17 @@ def test_bad_input():
         quantize(torch.randn(8), 3, 0, 4)
     with pytest.raises(ValueError, match="fp16 range"):
         quantize(torch.tensor([0.0, 1e6]), 2, 0, 2)
+    quantize(torch.tensor([0.0, 1e6]), 2, 0, 2, checked=True)  # the caller vouches: no check, no host sync
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_values_in_fp16_range_always_get_finite_scales(bits):
+    """Why ``checked`` may skip the check: any group within fp16's range (the extremes, a full-range group,
+    the smallest subnormals) gets a finite fp16 scale and zero."""
+    x = torch.tensor([[-65504.0, 65504.0], [65504.0, 65504.0], [-65504.0, -65504.0], [-6e-8, 6e-8], [0.0, -0.0]])
+    q = quantize(x, bits, 1, 2, checked=True)
+    assert bool(torch.isfinite(q.scale.float()).all() and torch.isfinite(q.zero.float()).all())
+    assert torch.equal(q.scale, quantize(x, bits, 1, 2).scale)
 
 
 @settings(max_examples=40, deadline=None)

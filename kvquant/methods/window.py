@@ -24,7 +24,7 @@ import torch
 
 from kvquant.attention import stock_attention
 from kvquant.backends import TORCH, Backend, check_backend
-from kvquant.cache import CropError, FiniteCheck, KVCache, KVGeometry, KVLayer
+from kvquant.cache import FP16_MAX, CropError, FiniteCheck, KVCache, KVGeometry, KVLayer
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.formats.codes import CodesState
 from kvquant.formats.window import TOKEN_AXIS, Stream
@@ -34,29 +34,34 @@ PROMPT_QUERIES = 16  # queries in one forward from which a chunk is a prompt chu
 
 
 class NonFiniteKVError(KvquantError, ValueError):
-    """NaN or inf reached a quantized cache: min-max quantization of such a group is meaningless."""
+    """NaN, inf or a value beyond fp16's range reached a quantized cache: its fp16 windows, scales and zeros
+    cannot hold it, and min-max quantization of such a group is meaningless."""
 
 
 def non_finite_error(label: str, layer_idx: int | None, bad_keys: int, bad_values: int) -> str | None:
-    """The one line for non-finite keys or values (None when both were finite)."""
+    """The one line for keys or values out of range (None when both were fine)."""
     if not (bad_keys or bad_values):
         return None
-    return f"{label}: layer {layer_idx} received non-finite {'keys' if bad_keys else 'values'} (NaN or inf)"
+    what = "keys" if bad_keys else "values"
+    return f"{label}: layer {layer_idx} received non-finite {what} (NaN or inf) or {what} beyond fp16's ±{FP16_MAX:g}"
 
 
 def check_finite(
     label: str, layer_idx: int | None, keys: torch.Tensor, values: torch.Tensor, check: FiniteCheck | None = None
 ) -> None:
-    """One reduction per update (a NaN or inf anywhere makes the fp32 sum non-finite) and one sync, or on a
-    GPU none: ``check`` reads the verdict when the next step begins (``kvquant.cache.FiniteCheck``)."""
+    """Refuse NaN, ±inf and values beyond fp16's range (every one fails ``max |x| <= 65504``): one reduction
+    a tensor per update and one sync, or on a GPU none (``check`` reads the verdict when the next step begins,
+    ``kvquant.cache.FiniteCheck``). What passes quantizes to finite fp16 scales and zeros
+    (``kvquant.quant.integer.quantize(checked=True)`` relies on it)."""
+    if not keys.numel():
+        return
+    out_of_range = ~(torch.stack((keys.abs().amax().float(), values.abs().amax().float())) <= FP16_MAX)
     if check is not None and check.defers(keys):
-        sums = torch.stack((keys.sum(dtype=torch.float32), values.sum(dtype=torch.float32)))
-        describe = functools.partial(non_finite_error, label, layer_idx)
-        check.defer(layer_idx, ~torch.isfinite(sums), describe, NonFiniteKVError)
+        check.defer(layer_idx, out_of_range, functools.partial(non_finite_error, label, layer_idx), NonFiniteKVError)
         return
-    if bool(torch.isfinite(keys.sum(dtype=torch.float32) + values.sum(dtype=torch.float32))):
-        return
-    raise NonFiniteKVError(non_finite_error(label, layer_idx, not bool(torch.isfinite(keys).all()), True))
+    bad_keys, bad_values = out_of_range.tolist()
+    if bad_keys or bad_values:
+        raise NonFiniteKVError(non_finite_error(label, layer_idx, bad_keys, bad_values))
 
 
 def check_divides(label: str, group_size: int, head_dim: int) -> None:

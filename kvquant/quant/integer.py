@@ -114,18 +114,19 @@ class QuantizedTensor:
         )
 
 
-def _outward_fp16(lo: torch.Tensor, hi: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _outward_fp16(lo: torch.Tensor, hi: torch.Tensor, steps: int, checked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 ``(scale, zero)`` whose grid ``zero + k·scale, k = 0…steps`` covers ``[lo, hi]``.
 
     ``zero`` is ``lo`` rounded down to fp16 and ``scale`` is rounded up. A constant group whose value
-    is an fp16 number gets ``zero = lo`` and ``scale = 0``: it is reconstructed exactly.
+    is an fp16 number gets ``zero = lo`` and ``scale = 0``: it is reconstructed exactly. Unless ``checked``,
+    non-finite results are refused (a host sync on a GPU).
     """
     zero = lo.half()
     zero = torch.where(zero.float() > lo, zero.nextafter(_inf(zero, -1)), zero)
     zf = zero.float()
     scale = ((hi - zf) / steps).half()
     scale = torch.where(zf + steps * scale.float() < hi, scale.nextafter(_inf(scale, 1)), scale)
-    if not bool(torch.isfinite(scale.sum(dtype=torch.float32) + zf.sum())):
+    if not checked and not bool(torch.isfinite(scale.sum(dtype=torch.float32) + zf.sum())):
         raise ValueError("values outside the fp16 range (or not finite) cannot be quantized with fp16 scales")
     return scale, zero
 
@@ -135,12 +136,14 @@ def _inf(like: torch.Tensor, sign: int) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, bits: int, axis: int, group_size: int, mask: torch.Tensor | None = None
+    x: torch.Tensor, bits: int, axis: int, group_size: int, mask: torch.Tensor | None = None, checked: bool = False
 ) -> QuantizedTensor:
     """Quantize ``x`` to ``bits`` bits in groups of ``group_size`` consecutive elements along ``axis``.
 
     ``mask`` (same shape as ``x``, True = ignore) leaves elements out of their group's min/max; their
-    codes are clamped to the grid. GEAR uses it for outliers it stores exactly elsewhere.
+    codes are clamped to the grid. GEAR uses it for outliers it stores exactly elsewhere. ``checked``: ``x``
+    is known finite and within fp16's range (a cache layer's ``to_fp16_checked``; on a GPU read a step later),
+    so every scale and zero is finite and the check, a host sync a call on a GPU, is skipped.
     """
     _check_bits(bits)
     if group_size < 1:
@@ -174,7 +177,7 @@ def quantize(
         lo = torch.where(empty, 0.0, lo)
         hi = torch.where(empty, 0.0, hi)
     steps = levels(bits)
-    scale, zero = _outward_fp16(lo, hi, steps)
+    scale, zero = _outward_fp16(lo, hi, steps, checked)
     sf = scale.float()
     q = ((g - zero.float()) / torch.where(sf == 0, 1.0, sf)).round_().clamp_(0, steps)
     codes = pack(q.to(torch.uint8).reshape(padded), bits)
