@@ -771,21 +771,38 @@ def test_aligned_attention_end_to_end(shape, blockwise, value_rule, qk_kernel, s
 def test_new_kernels_give_the_validated_kernels_bits(shape, value_rule, blockwise, full):
     """The warp QK kernel sums each logit in the tile kernel's order (channel groups c mod 4, ascending, then
     (g0 + g1) + (g2 + g3)) and ``read8`` gives ``read_bits``' bits: the whole step on the new kernels equals the
-    validated kernels' bit for bit — probabilities, widths, output — with a mask, at 1 and 2 query positions."""
-    from kernels_cupy.ops import aligned_attention
+    validated kernels' bit for bit — probabilities, widths, output — with a mask, at 1 and 2 query positions.
+    QK (logits, widths, keys read) and SV (on the same scores: output, widths, values read) are compared apart
+    first, so a failure names the kernel."""
+    from kernels_cupy.ops import aligned_attention, qk, sv, value_exponents
+
+    def same(validated, new, what):
+        assert (validated is None and new is None) or torch.equal(validated, new), what
 
     b, hq, hkv, d, n = shape
     for q_len in (1, 2):
         k, v, q = random_kv(b, hq, hkv, d, n, seed=21, q_len=q_len)
         store = to_device(cpu_store(k, v, blockwise, chunks_for(n), 32 if value_rule == "block" else 0), "cuda")
         mask = (torch.rand(b, 1, q_len, n, generator=torch.Generator().manual_seed(n)) > 0.1).cuda()
-        kw = {"blockwise": blockwise, "full": full, "value_rule": value_rule, "return_scores": True}
-        query = q.cuda()
-        runs = [
-            aligned_attention(store, query, mask, d**-0.5, qk_kernel=qk, sv_read=sv, **kw) for qk, sv in KERNEL_CHOICES
+        query, thresholds = q.cuda(), (4, 8)
+        logits = [
+            qk(store, query, d**-0.5, thresholds, blockwise, full, True, mask, qk_kernel=kernel)
+            for kernel in ("tile", "warp")
         ]
-        for validated, new in zip(*runs, strict=True):
-            assert (validated is None and new is None) or torch.equal(validated, new)
+        for validated, new, what in zip(*logits, ("logits", "key widths", "keys"), strict=True):
+            same(validated, new, f"QK, warp kernel: {what} (q_len {q_len})")
+        scores = torch.softmax(logits[0][0], dim=-1).nan_to_num(0.0)
+        e_o = value_exponents(store, scores)
+        read = [sv(store, scores, e_o, thresholds, full, True, value_rule, sv_read=r) for r in ("bytes", "permute")]
+        for validated, new, what in zip(*read, ("output", "value widths", "values"), strict=True):
+            same(validated, new, f"SV, byte-permute reads: {what} (q_len {q_len})")
+        kw = {"blockwise": blockwise, "full": full, "value_rule": value_rule, "return_scores": True}
+        runs = [
+            aligned_attention(store, query, mask, d**-0.5, qk_kernel=kernel, sv_read=r, **kw)
+            for kernel, r in KERNEL_CHOICES
+        ]
+        for validated, new, what in zip(*runs, ("output", "key widths", "value widths", "scores"), strict=True):
+            same(validated, new, f"the step: {what} (q_len {q_len})")
 
 
 @gpu_test
