@@ -42,9 +42,8 @@ BLOCK_RULE_V_BLOCKS = (32, 64)  # the block rule's v_block here: whole warps of 
 
 def limits(fmt: str, geometry: Any, rule: Any) -> list[str]:
     """What of a model or rule these kernels lack: head dims off the plane layout, logit soft-capping, sliding
-    windows, the paper's value
-    rule per block (``v_block`` > 1 with ``value_rule`` token), and the block rule's ``v_block`` other than
-    32 or 64; the code kernels' own (``kernels_cupy.codes.limits``), the HIGGS kernel's
+    windows, the paper's value rule per block (``v_block`` > 1 with ``value_rule`` token), and the block rule's
+    ``v_block`` other than 32 or 64; the code kernels' own (``kernels_cupy.codes.limits``), the HIGGS kernel's
     (``kernels_cupy.higgs.limits``: group and head shapes) and AQUA-KV's (``kernels_cupy.aquakv.limits``)."""
     if fmt in ("kivi", "gear"):
         return codes.limits(fmt, geometry, rule)

@@ -30,6 +30,7 @@ is all bytes over time, ``%copy`` that against a device-to-device copy measured 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -42,8 +43,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SHAPES = {"llama2_7b": (32, 32, 128), "llama3_8b": (32, 8, 128)}  # q heads, kv heads, head_dim
-METHODS = ("sdpa", "aligned", "aligned+", "block", "control", "block_w", "control_w")
 NEW_KERNELS = {"qk_kernel": "warp", "sv_read": "permute"}  # the _w methods' kernels
+#: each kernel method's ``aligned_attention`` keywords (SDPA is the baseline)
+KERNEL_METHODS = {
+    "aligned": {},
+    "aligned+": {"blockwise": True},
+    "block": {"value_rule": "block"},
+    "control": {"full": True},
+    "block_w": {"value_rule": "block", **NEW_KERNELS},
+    "control_w": {"full": True, **NEW_KERNELS},
+}
+METHODS = ("sdpa", *KERNEL_METHODS)
 VALUE_BLOCK = 32
 
 
@@ -197,14 +207,9 @@ def bench_one(
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=hq != hkv)
 
-    runs = {
-        "sdpa": sdpa,
-        "aligned": lambda: aligned_attention(store, q, None, scaling),
-        "aligned+": lambda: aligned_attention(store, q, None, scaling, blockwise=True),
-        "block": lambda: aligned_attention(store, q, None, scaling, value_rule="block"),
-        "control": lambda: aligned_attention(store, q, None, scaling, full=True),
-        "block_w": lambda: aligned_attention(store, q, None, scaling, value_rule="block", **NEW_KERNELS),
-        "control_w": lambda: aligned_attention(store, q, None, scaling, full=True, **NEW_KERNELS),
+    runs = {"sdpa": sdpa}
+    runs |= {
+        name: functools.partial(aligned_attention, store, q, None, scaling, **kw) for name, kw in KERNEL_METHODS.items()
     }
     runs = {name: fn for name, fn in runs.items() if name in methods}
     for name, fn in runs.items():
@@ -214,20 +219,14 @@ def bench_one(
             row["note"] = f"{row.get('note', '')} {name}: graph capture failed ({str(exc).splitlines()[0][:80]})"
     runs = {name: fn for name, fn in runs.items() if f"{name} ms" in row}
     fp16_bytes = 2 * 2 * batch * hkv * context * d
-    row["sdpa GB/s"] = fp16_bytes / row["sdpa ms"] * 1e-6
-    kernels = [
-        ("aligned", False, False),
-        ("aligned+", True, False),
-        ("block", False, False),
-        ("control", False, True),
-        ("block_w", False, False),
-        ("control_w", False, True),
-    ]
-    for name, blockwise, full in kernels:
+    if "sdpa ms" in row:
+        row["sdpa GB/s"] = fp16_bytes / row["sdpa ms"] * 1e-6
+    for name, kw in KERNEL_METHODS.items():
         if name not in runs:
             continue
         _, wk, wv = runs[name]()
-        loaded, bits_k, bits_v = kv_bytes(store, wk, wv, blockwise, block_rule=name.startswith("block"))
+        full, block_rule = kw.get("full", False), kw.get("value_rule") == "block"
+        loaded, bits_k, bits_v = kv_bytes(store, wk, wv, kw.get("blockwise", False), block_rule=block_rule)
         moved = loaded + score_bytes(batch, hq, context, rule=not full)
         row[f"{name} KV MB"] = loaded / 1e6
         row[f"{name} GB/s"] = moved / row[f"{name} ms"] * 1e-6

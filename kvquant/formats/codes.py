@@ -28,7 +28,7 @@ class QuantStore:
         self.length = 0
 
     def add(self, x: torch.Tensor, decode: bool) -> None:
-        new = quantize(x, self.bits, self.axis, self.group_size, checked=True)  # the layer's check_finite
+        new = quantize(x, self.bits, self.axis, self.group_size, checked=True)  # the layer's check_storable
         self.q = new if self.q is None else cat([self.q, new], dim=TOKEN_AXIS)
         self.length += x.shape[TOKEN_AXIS]
 

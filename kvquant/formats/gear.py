@@ -100,7 +100,7 @@ class GearStore:
             index = (pos + self.length * d).to(INDEX_DTYPE)
             self.index = index if self.index is None else torch.cat([self.index, index], dim=-1)
             self.value = value if self.value is None else torch.cat([self.value, value], dim=-1)
-        q = quantize(x, p.bits, self.axis, self.group_size, mask=mask, checked=True)  # the layer's check_finite
+        q = quantize(x, p.bits, self.axis, self.group_size, mask=mask, checked=True)  # the layer's check_storable
         rank = min(p.rank_decode if decode else p.rank, t, d)
         if rank:
             residual = x - dequantize(q)

@@ -38,7 +38,7 @@ class NonFiniteKVError(KvquantError, ValueError):
     cannot hold it, and min-max quantization of such a group is meaningless."""
 
 
-def non_finite_error(label: str, layer_idx: int | None, bad_keys: int, bad_values: int) -> str | None:
+def out_of_range_error(label: str, layer_idx: int | None, bad_keys: int, bad_values: int) -> str | None:
     """The one line for keys or values out of range (None when both were fine)."""
     if not (bad_keys or bad_values):
         return None
@@ -46,7 +46,7 @@ def non_finite_error(label: str, layer_idx: int | None, bad_keys: int, bad_value
     return f"{label}: layer {layer_idx} received non-finite {what} (NaN or inf) or {what} beyond fp16's ±{FP16_MAX:g}"
 
 
-def check_finite(
+def check_storable(
     label: str, layer_idx: int | None, keys: torch.Tensor, values: torch.Tensor, check: FiniteCheck | None = None
 ) -> None:
     """Refuse NaN, ±inf and values beyond fp16's range (every one fails ``max |x| <= 65504``): one reduction
@@ -57,11 +57,11 @@ def check_finite(
         return
     out_of_range = ~(torch.stack((keys.abs().amax().float(), values.abs().amax().float())) <= FP16_MAX)
     if check is not None and check.defers(keys):
-        check.defer(layer_idx, out_of_range, functools.partial(non_finite_error, label, layer_idx), NonFiniteKVError)
+        check.defer(layer_idx, out_of_range, functools.partial(out_of_range_error, label, layer_idx), NonFiniteKVError)
         return
     bad_keys, bad_values = out_of_range.tolist()
     if bad_keys or bad_values:
-        raise NonFiniteKVError(non_finite_error(label, layer_idx, bad_keys, bad_values))
+        raise NonFiniteKVError(out_of_range_error(label, layer_idx, bad_keys, bad_values))
 
 
 def check_divides(label: str, group_size: int, head_dim: int) -> None:
@@ -184,7 +184,7 @@ class WindowedLayer(KVLayer):
         """Append the new tokens and code what leaves the windows; return the whole history (decoded, then
         the windows) in the input dtype for the model's attention, or placeholders where the backend's
         kernel reads the codes (full-attention layers only: the kernels' ``limits`` refuse sliding ones)."""
-        check_finite(self.params.label, self.layer_idx, key_states, value_states, self.finite)
+        check_storable(self.params.label, self.layer_idx, key_states, value_states, self.finite)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[TOKEN_AXIS]

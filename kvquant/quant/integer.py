@@ -142,7 +142,7 @@ def quantize(
 
     ``mask`` (same shape as ``x``, True = ignore) leaves elements out of their group's min/max; their
     codes are clamped to the grid. GEAR uses it for outliers it stores exactly elsewhere. ``checked``: ``x``
-    is known finite and within fp16's range (a cache layer's ``to_fp16_checked``; on a GPU read a step later),
+    is known finite and within fp16's range (a KIVI/GEAR layer's ``check_storable``; on a GPU read a step later),
     so every scale and zero is finite and the check, a host sync a call on a GPU, is skipped.
     """
     _check_bits(bits)
