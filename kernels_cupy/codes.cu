@@ -6,6 +6,8 @@
 // - keys: codes [BH, nk_rows, D*BITS/8] (channel c at bits (c % (8/BITS))*BITS of byte c*BITS/8),
 //   scale/zero fp16 [BH, ngk, D] (per channel, group t / G); the fp16 window [BH, wk, D] after them;
 // - values: codes [BH, nv, D*BITS/8], scale/zero fp16 [BH, nv, D/G] (per token, group c / G); window.
+// A stream's rows per bh may exceed its tokens: a store's buffer (kvquant.formats.base.RowBuffer) is read in
+// place with its capacity as the row stride (rows; keys' scale groups: groups), codes.rows_of.
 // Token t of the sequence (length L = nk + wk = nv + wv) is code row t below nk (nv), else window row
 // t - nk (t - nv): the window is one more segment of the same split.
 //
@@ -75,7 +77,8 @@ __device__ __forceinline__ void load_half8(const unsigned short* p, float (&x)[8
 struct Stream {
     const unsigned char* codes;
     const unsigned short *scale, *zero, *window;
-    int n, rows, groups, w;  // coded tokens, code rows (padded), scale groups (keys), window tokens
+    int n, rows, groups, w;  // coded tokens, code rows per bh (padded, or a buffer's capacity: its row stride),
+                             // scale rows per bh (keys' groups; values use rows), window tokens
     const int* row_ptr;      // [BH, n + 1]: outliers of token t are [row_ptr[t], row_ptr[t + 1])
     const int* pos;          // [BH, n_out] int32 positions t*D + c, sorted
     const unsigned short* val;
@@ -170,7 +173,7 @@ __device__ __forceinline__ void value_row(const Stream& s, int bh, int t, int D,
     if (t < s.n) {
         const int bytes = D * BITS / 8;
         lane_codes<BITS>(s.codes + ((long long)bh * s.rows + t) * bytes, sub, x);
-        const long long row = ((long long)bh * s.n + t) * (D / G);
+        const long long row = ((long long)bh * s.rows + t) * (D / G);  // scale rows share the codes' stride
         if (G % 8 == 0) {  // the lane's 8 channels share one group
             const float sc = codes_h2f(s.scale[row + c0 / G]), ze = codes_h2f(s.zero[row + c0 / G]);
 #pragma unroll
@@ -447,17 +450,19 @@ extern "C" __global__ void codes_merge(const float* __restrict__ part_acc, const
 }
 
 #define CODES_KERNEL(NAME, BITS, RT, U, GEAR)                                                                         \
-    extern "C" __global__ void __launch_bounds__(CODES_THREADS, 1) NAME(                                                \
-        const float* q, const unsigned char* kcodes, const unsigned short* kscale, const unsigned short* kzero,       \
-        int kn, int krows, int kgroups, const unsigned short* kwin, int kw, const int* krp, const int* kpos,          \
-        const unsigned short* kval, int knout, const long long* kruns, int knruns, const unsigned char* vcodes,       \
-        const unsigned short* vscale, const unsigned short* vzero, int vn, const unsigned short* vwin, int vw,        \
-        const int* vrp, const int* vpos, const unsigned short* vval, int vnout, const long long* vruns, int vnruns,   \
+    extern "C" __global__ void __launch_bounds__(CODES_THREADS, 1) NAME(                                               \
+        const float* q,                                                                                                \
+        const unsigned char* kcodes, const unsigned short* kscale, const unsigned short* kzero, int kn, int krows,     \
+        int kgroups, const unsigned short* kwin, int kw, const int* krp, const int* kpos, const unsigned short* kval,  \
+        int knout, const long long* kruns, int knruns,                                                                 \
+        const unsigned char* vcodes, const unsigned short* vscale, const unsigned short* vzero, int vn, int vrows,     \
+        const unsigned short* vwin, int vw, const int* vrp, const int* vpos, const unsigned short* vval, int vnout,    \
+        const long long* vruns, int vnruns,                                                                            \
         const float* qb, int qb_segs, const void* mask, int mask_kind, long long mb, long long mh, long long mq,       \
-        long long mt, int Hkv, int g, int Q, int R, int D, int G, int L, int chunk, int causal, float scaling,       \
-        int lpt, float* part_acc, float* part_ml) {                                                                   \
+        long long mt, int Hkv, int g, int Q, int R, int D, int G, int L, int chunk, int causal, float scaling,         \
+        int lpt, float* part_acc, float* part_ml) {                                                                    \
         const Stream ks = {kcodes, kscale, kzero, kwin, kn, krows, kgroups, kw, krp, kpos, kval, knout, kruns, knruns}; \
-        const Stream vs = {vcodes, vscale, vzero, vwin, vn, vn, 0, vw, vrp, vpos, vval, vnout, vruns, vnruns};        \
+        const Stream vs = {vcodes, vscale, vzero, vwin, vn, vrows, 0, vw, vrp, vpos, vval, vnout, vruns, vnruns};      \
         attend_codes<BITS, RT, U, GEAR>(q, ks, vs, qb, qb_segs, mask, mask_kind, mb, mh, mq, mt, Hkv, g, Q, R, D, G, \
                                         L, chunk, causal, scaling, lpt, part_acc, part_ml);                          \
     }

@@ -13,6 +13,7 @@ Importing this module needs torch and numpy only; cupy is imported at the first 
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -186,6 +187,16 @@ def check_state(state: Any, d: int) -> None:
             raise ValueError(f"kernels_cupy: {name} codes of another layout ({q.bits} bits, axis {q.axis})")
 
 
+def check_cuda(query: torch.Tensor) -> None:
+    if not query.is_cuda:
+        raise ValueError(f"kernels_cupy: the codes kernels need CUDA tensors, got the query on {query.device}")
+
+
+def raw(t: torch.Tensor | None) -> np.uint64:
+    """The device pointer of a tensor ``rows_of`` checked (a buffer's view: not contiguous, read in place)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
 def kernel_arg(t: torch.Tensor | None) -> torch.Tensor | None:
     """Contiguous and 16-byte aligned (the state's own tensors are; anything else is copied)."""
     if t is None:
@@ -232,16 +243,39 @@ def gear_args(store: Any, d: int, device: torch.device) -> _GearArgs:
     return got
 
 
+def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(tensor, rows)``: ``t`` ``[B, H, n, ...]`` as the kernel addresses it, row ``i`` of ``(b, h)`` at element
+    ``((b·H + h)·rows + i)·inner`` (``inner`` = the product of dims 3…). A store's ``RowBuffer`` view is read in
+    place, its buffer's capacity the row stride (``rows`` ≥ ``n``); anything else is made contiguous (``rows`` = n)."""
+    b, h, n = t.shape[:3]
+    inner = math.prod(t.shape[3:])
+    dense = all(t.shape[k] == 1 or t.stride(k) == math.prod(t.shape[k + 1 :]) for k in range(3, t.dim()))
+    if dense and inner and (n == 1 or t.stride(2) == inner) and t.data_ptr() % ALIGN == 0:
+        per_bh = t.stride(1) if h > 1 else (t.stride(0) if b > 1 else n * inner)
+        rows, rest = divmod(per_bh, inner)
+        if not rest and rows >= n and (b == 1 or t.stride(0) == h * per_bh):
+            return t, rows
+    return kernel_arg(t), n
+
+
+def _quant_rows(q: Any, per_token_scale: bool) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """``((codes, scale, zero), code rows, scale rows)`` of a stream's coded part (values: scales per token share
+    the codes' row stride, so where the two differ both are made contiguous)."""
+    (codes, rows), (scale, groups), (zero, zgroups) = (rows_of(t) for t in (q.codes, q.scale, q.zero))
+    if zgroups != groups or (per_token_scale and groups != rows):
+        (codes, rows), (scale, groups), (zero, _) = ((kernel_arg(t), t.shape[2]) for t in (q.codes, q.scale, q.zero))
+    return (codes, scale, zero), rows, groups
+
+
 def _stream_args(stream: Any, d: int, gear: _GearArgs | None) -> tuple:
     q = stream.store.q
-    codes = None if q is None else kernel_arg(q.codes)
-    scale = None if q is None else kernel_arg(q.scale)
-    zero = None if q is None else kernel_arg(q.zero)
+    codes = scale = zero = None
+    rows = groups = 0
+    if q is not None:
+        (codes, scale, zero), rows, groups = _quant_rows(q, q.axis == 3)
     window = kernel_arg(stream.window)
     n = stream.store.length
-    rows = 0 if q is None else q.codes.shape[2]
-    groups = 0 if q is None else q.scale.shape[2]
-    head = (ptr(codes), ptr(scale), ptr(zero), i32(n), i32(rows), i32(groups), ptr(window), i32(window.shape[2]))
+    head = (raw(codes), raw(scale), raw(zero), i32(n), i32(rows), i32(groups), ptr(window), i32(window.shape[2]))
     if gear is None or gear.rows is None:
         sparse = (ptr(None), ptr(None), ptr(None), i32(0))
     else:
@@ -260,8 +294,7 @@ def _attend(fmt: str, state: Any, query: torch.Tensor, mask: torch.Tensor | None
         from kvquant.formats.codes import attend
 
         return attend(state, None, query, mask, scaling)[0]
-    if not query.is_cuda:
-        raise ValueError(f"kernels_cupy: the codes kernels need CUDA tensors, got the query on {query.device}")
+    check_cuda(query)
     length = state.length
     rows = (hq // hkv) * q_len
     bh = b * hkv
@@ -285,7 +318,7 @@ def _attend(fmt: str, state: Any, query: torch.Tensor, mask: torch.Tensor | None
     part_acc = torch.empty(n_split, bh, rows, d, **f32)
     part_ml = torch.empty(n_split, bh, rows, 2, **f32)
     args = (ptr(q32), *k_head, *k_sparse, *k_runs)
-    args += (*v_head[:4], *v_head[6:], *v_sparse, *v_runs)
+    args += (*v_head[:5], *v_head[6:], *v_sparse, *v_runs)  # values: scale rows = code rows
     args += (ptr(qb), i32(qb_segs), mask_ptr, i32(kind), *(np.int64(x) for x in (mb, mh, mq, mt)))
     args += (i32(hkv), i32(hq // hkv), i32(q_len), i32(rows), i32(d), i32(state.group_size), i32(length))
     args += (i32(chunk), i32(causal), np.float32(scaling), i32(lanes_per_token(d)), ptr(part_acc), ptr(part_ml))

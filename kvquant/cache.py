@@ -175,27 +175,54 @@ def fp16_range_error(layer_idx: int | None, what: str, n_bad: int, n_nan: int) -
     )
 
 
+def value_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of ``x`` as 0-d tensors on its device: one reduction (one kernel on a GPU), and NaN
+    anywhere makes both NaN, so ``within_fp16`` of them is the whole check (NaN, ±inf, beyond ±65504)."""
+    return torch.aminmax(x.detach())
+
+
+def within_fp16(low: float, high: float) -> bool:
+    """Whether a tensor whose ``value_range`` is ``(low, high)`` fits fp16 (NaN fails both comparisons)."""
+    return -FP16_MAX <= low and high <= FP16_MAX
+
+
+def fp16_range_verdict(layer_idx: int | None, what: str, low: float, high: float) -> str | None:
+    """The one line for a deferred check whose tensor is gone by the time it is read: its range, not counts."""
+    if within_fp16(low, high):
+        return None
+    return (
+        f"layer {layer_idx}: {what} values are NaN/inf or outside fp16's range (±{FP16_MAX:g}; "
+        f"min {low:g}, max {high:g}) and cannot be stored as fp16"
+    )
+
+
 class FiniteCheck:
     """Where a cache's refusals of NaN/inf K/V are read. A CPU tensor is checked at once. A GPU tensor's
     verdict stays on the device and is read when the next step begins (the update of a lower layer than
     the last one checked), at ``counts()`` or ``settle()``: one host sync a step instead of one a layer
     (each sync drains the GPU's queue, so the launches of the next layer no longer overlap the work of
     this one). The error then comes one step late, naming the layer that received the values.
+    A verdict is a few 0-d tensors (``value_range``'s, one kernel a tensor): a layer adds no other launch,
+    and ``settle`` reads every held verdict with one ``torch.cat`` and one copy to the host.
     ``deferred`` forces either way (tests); None decides by the tensor's device."""
 
     MAX_PENDING = 4096  # verdicts held before they are read anyway (a one-layer model never wraps around)
 
     def __init__(self, deferred: bool | None = None) -> None:
         self.deferred = deferred
-        self.pending: list[tuple[int, torch.Tensor, Callable[..., str | None], type[Exception]]] = []
+        self.pending: list[tuple[int, tuple[torch.Tensor, ...], Callable[..., str | None], type[Exception]]] = []
 
     def defers(self, x: torch.Tensor) -> bool:
         return self.deferred if self.deferred is not None else x.device.type != "cpu"
 
     def defer(
-        self, layer_idx: int | None, verdict: torch.Tensor, describe: Callable[..., str | None], error: type[Exception]
+        self,
+        layer_idx: int | None,
+        verdict: tuple[torch.Tensor, ...],
+        describe: Callable[..., str | None],
+        error: type[Exception],
     ) -> None:
-        """Keep ``verdict`` (a small integer tensor, on the device) until it is read; ``describe(*verdict)``
+        """Keep ``verdict`` (0-d tensors on the device) until it is read; ``describe(*verdict)`` (as floats)
         gives the error's line, or None when the values were fine."""
         index = -1 if layer_idx is None else layer_idx
         if self.pending and (index < self.pending[-1][0] or len(self.pending) >= self.MAX_PENDING):
@@ -207,9 +234,12 @@ class FiniteCheck:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        values = torch.stack([verdict.to(torch.int64) for _, verdict, _, _ in pending]).tolist()
-        for (_, _, describe, error), value in zip(pending, values, strict=True):
-            message = describe(*value)
+        flat = [t.reshape(1) for _, verdict, _, _ in pending for t in verdict]
+        values = torch.cat(flat).tolist()  # cat promotes fp16 / bf16 / fp32 verdicts to one dtype
+        start = 0
+        for _, verdict, describe, error in pending:
+            message = describe(*values[start : start + len(verdict)])
+            start += len(verdict)
             if message is not None:
                 raise error(f"{message} (found after the step that received them)")
 
@@ -219,11 +249,12 @@ def to_fp16_checked(
 ) -> torch.Tensor:
     """Cast K or V to fp16, refusing NaN and values outside fp16's range instead of storing inf (at once,
     or where ``check`` defers it, when the next step begins)."""
+    if not x.numel():
+        return x.to(torch.float16)
+    low, high = value_range(x)
     if check is not None and check.defers(x):
-        bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)
-        describe = functools.partial(fp16_range_error, layer_idx, what)
-        check.defer(layer_idx, torch.stack((bad.sum(), torch.isnan(x).sum())), describe, KvquantError)
-    elif x.numel() and not bool(x.abs().amax() <= FP16_MAX):  # one reduction (NaN fails it): a decode step's hot path
+        check.defer(layer_idx, (low, high), functools.partial(fp16_range_verdict, layer_idx, what), KvquantError)
+    elif not within_fp16(low.item(), high.item()):
         bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)
         raise KvquantError(fp16_range_error(layer_idx, what, int(bad.sum()), int(torch.isnan(x).sum())))
     return x.to(torch.float16)

@@ -8,9 +8,11 @@
 One token per sequence through every layer of ``kvquant.analysis.timing.layout_model`` (the hub model's
 sizes, random weights, no download; fp16 on a GPU, fp32 on a CPU), after every layer's cache was filled
 with synthetic K/V untimed (``model_step_time``); medians of ``--repeats`` steps after 2 warm-up steps.
-``x dyn`` is the time over transformers' ``DynamicCache`` on the same model in the same run (issue 33's
-whole-step criteria: fp16 <= 1.05, kivi2/kivi4 <= 0.8, gear2/gear4 <= 0.9, higgs_post_rope <= 1.0 at
-32K); ``x fp16`` over our fp16 cache; ``bits`` the mean bits read per K/V element. AQUA-KV methods (``aquakv``,
+``x dyn`` is the time over transformers' ``DynamicCache`` on the same model in the same run (issue 33's whole-step
+criteria: fp16 <= 1.05, kivi2/kivi4 <= 0.8, gear2/gear4 <= 0.9, higgs_post_rope <= 1.0 at 32K); ``x fp16`` over our
+fp16 cache; ``bits`` the mean bits read per K/V element; ``ops/layer`` the torch operators one more (untimed) step
+dispatched per layer, views excepted (``kvquant.analysis.timing.OpCounter``: on a GPU each is a launch or a sync,
+what a batch-1 step is bound by; a kernel backend's own launches not included). AQUA-KV methods (``aquakv``,
 ``aquakv_k_only``, ``aquakv_v_only``) get random predictors of calibration's scale for the random model (written
 once to a temporary folder: the weights' values do not change the time) and a floor row (``<name>_floor``:
 DynamicCache's step plus the predictors' matmuls over the coded history, issue 33's floor). Methods are built on
@@ -35,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 METHODS = "fp16,kivi2,kivi4,gear2,gear4,higgs_post_rope,truncation,alignedkv,alignedkv_block"
-COLUMNS = ("layout", "batch", "context", "method", "backend", "ms", "x dyn", "x fp16", "bits", "x floor")
+COLUMNS = ("layout", "batch", "context", "method", "backend", "ms", "x dyn", "x fp16", "bits", "x floor", "ops/layer")
 
 
 def table(rows: list[dict]) -> str:
@@ -108,6 +110,7 @@ def measure(layout: str, batch: int, context: int, methods: dict, args, device: 
     timed = {name: time_of(method) for name, method in methods.items()}
     base = timed["fp16"].seconds if "fp16" in timed else None
     rows = [{"method": "DynamicCache", "backend": "torch", "ms": dynamic.seconds * 1e3, "x dyn": 1.0}]
+    rows[0]["ops/layer"] = f"{dynamic.ops_per_layer:.1f}"
     floors: dict[str, float] = {}
     for name, t in timed.items():
         method = methods[name]
@@ -125,7 +128,7 @@ def measure(layout: str, batch: int, context: int, methods: dict, args, device: 
             row["x fp16"] = t.seconds / base
         if family in floors:
             row["x floor"] = t.seconds / floors[family]
-        rows.append(row | {"bits": t.bits_read})
+        rows.append(row | {"bits": t.bits_read, "ops/layer": f"{t.ops_per_layer:.1f}"})
     return [{"layout": layout, "batch": batch, "context": context} | row for row in rows]
 
 

@@ -2,10 +2,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from kvquant import get_method, method_names
-from kvquant.cache import CacheCounts, CropError, KVCache, nbytes
+from kvquant.cache import FP16_MAX, CacheCounts, CropError, KVCache, nbytes
 from kvquant.methods.fp16 import Fp16Layer
 
 
@@ -226,16 +228,37 @@ def test_a_cpu_cache_refuses_at_once_and_a_one_layer_cache_reads_its_checks_in_b
         to_fp16_checked(torch.ones(2), 0, "key", check)
     to_fp16_checked(torch.tensor([float("inf")]), 0, "key", check)
     assert len(check.pending) == 1  # the full list was read before this one was kept
-    with pytest.raises(KvquantError, match="^layer 0: 1 key values are NaN/inf .*\\(found after"):
+    with pytest.raises(KvquantError, match="^layer 0: key values are NaN/inf .*min inf, max inf.*\\(found after"):
         check.settle()
     assert check.pending == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(-1e5, 1e5, width=32), min_size=1, max_size=70),
+    st.sampled_from([None, float("nan"), float("inf"), -float("inf")]),
+    st.integers(0, 69),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_one_value_range_decides_what_fp16_can_hold(values, special, where, dtype):
+    """``within_fp16(*value_range(x))`` (one reduction) is exactly "every element finite and within ±65504"."""
+    from kvquant.cache import value_range, within_fp16
+
+    x = torch.tensor(values, dtype=torch.float32)
+    if special is not None:
+        x[where % x.numel()] = special
+    x = x.to(dtype)
+    low, high = value_range(x)
+    assert within_fp16(low.item(), high.item()) == bool((x.float().abs() <= FP16_MAX).all())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["fp16", "kivi2", "alignedkv"])
-def test_on_a_gpu_the_finite_checks_wait_for_the_next_step(stories, name):
-    """CUDA tensors are checked without a host sync per layer: the refusal comes at the next step's first layer."""
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -7e4])
+def test_on_a_gpu_the_finite_checks_wait_for_the_next_step(stories, name, bad):
+    """CUDA tensors are checked without a host sync per layer: the refusal comes at the next step's first layer
+    (NaN too: CUDA's ``aminmax`` must propagate it, as the CPU's does)."""
     from kvquant.errors import KvquantError
 
     model, _ = stories
@@ -245,7 +268,27 @@ def test_on_a_gpu_the_finite_checks_wait_for_the_next_step(stories, name):
         for i in range(len(cache.layers)):
             v = torch.randn(1, 4, n, 8, device="cuda")
             if n == 1 and i == 3:
-                v[0, 1, 0, 2] = float("inf")
+                v[0, 1, 0, 2] = bad
             cache.update(torch.randn(1, 4, n, 8, device="cuda"), v, i)
     with pytest.raises(KvquantError, match="layer 3.*\\(found after the step that received them\\)"):
         cache.update(torch.randn(1, 4, 1, 8, device="cuda"), torch.randn(1, 4, 1, 8, device="cuda"), 0)
+
+
+@pytest.mark.parametrize(("name", "most"), [("fp16", 4), ("kivi2", 46)])
+def test_a_deferred_decode_update_dispatches_few_torch_ops(stories, name, most):
+    """On a GPU every torch op of a layer's update is a launch, and a batch-1 step is bound by them: with the
+    check deferred (as on a GPU), fp16's update is a ``value_range`` and an in-place copy per K and V (~20 ops
+    when the check was spelled out); KIVI's adds one value's coding (``kvquant.quant.integer.quantize``) and, on
+    the torch backend, the read of its history (55 ops in all before the check and the coding were trimmed)."""
+    from kvquant.analysis.timing import OpCounter
+
+    layer = get_method(name, backend="torch").new_cache(stories[0]).layers[0]
+    layer.finite.deferred = True
+    layer.update(torch.randn(1, 4, 300, 8).half(), torch.randn(1, 4, 300, 8).half())
+    k, v = torch.randn(1, 4, 1, 8).half(), torch.randn(1, 4, 1, 8).half()
+    layer.update(k, v)
+    with OpCounter() as counter:
+        layer.update(k, v)
+    assert counter.total <= most, counter.counts
+    if name == "fp16":
+        assert counter.counts == {"aminmax": 2, "copy_": 2}

@@ -5,12 +5,18 @@ against the reference on the same states."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kernels_cupy import codes as codes_module
 from kernels_cupy import cupy_status
 from kernels_cupy.codes import (
     CHANNELS_PER_LANE,
@@ -389,6 +395,118 @@ def test_kernel_equals_the_reference_on_the_same_state(case, dtype):
         torch.testing.assert_close(got, ref, atol=5e-6, rtol=5e-5)
     else:
         torch.testing.assert_close(got, ref.to(dtype), atol=2e-3, rtol=2e-3)
+
+
+def kernel_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` ``[B, H, n, ...]`` read as codes.cu addresses it: row ``i`` of ``(b, h)`` at element
+    ``((b·H + h)·rows + i)·inner`` from ``t``'s first element, over its storage."""
+    b, h, n = t.shape[:3]
+    inner = math.prod(t.shape[3:])
+    flat = t.as_strided((t.untyped_storage().nbytes() // t.element_size() - t.storage_offset(),), (1,))
+    index = ((torch.arange(b * h)[:, None] * rows + torch.arange(n)) * inner)[..., None] + torch.arange(inner)
+    return flat[index].reshape(t.shape)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.integers(1, 40),
+    st.integers(0, 30),
+    st.sampled_from([(16,), (4, 1), (1, 8), (3,)]),
+)
+def test_rows_of_reads_a_buffers_view_in_place_at_its_capacity(b, h, n, slack, inner):
+    """A ``RowBuffer``'s held view is passed as it is, its capacity the row stride, and the kernel's addressing
+    reads exactly the view; anything else (here a transposed copy) is made contiguous, rows = its length."""
+    from kernels_cupy.codes import rows_of
+
+    buffer = torch.randint(0, 255, (b, h, n + slack, *inner), dtype=torch.uint8)
+    view = buffer[:, :, :n]
+    got, rows = rows_of(view)
+    assert got.data_ptr() == buffer.data_ptr() and rows >= n
+    assert rows == (n + slack if b * h > 1 else n)
+    assert torch.equal(kernel_rows(got, rows), view)
+    other = buffer.transpose(0, 1)[:, :, :n] if b > 1 and h > 1 else buffer[:, :, :n, ..., :1]
+    got, rows = rows_of(other)
+    assert torch.equal(kernel_rows(got, rows), other)
+
+
+def test_a_decoded_kivi_store_is_read_in_place_from_its_buffers():
+    """After decode steps KIVI's codes, scales and zeros are views of buffers with room to spare: the kernel's
+    arguments are those buffers (no copy of the coded history a step), keys with their own row and group strides,
+    values with scales sharing the codes' row stride, and the addressing reads exactly what the store holds."""
+    from kernels_cupy.codes import _quant_rows
+
+    state = kivi_state(2, 8, 16, 2, 3, 32, [70, *[1] * 25])
+    for stream, per_token in ((state.k, False), (state.v, True)):
+        store = stream.store
+        (codes, scale, zero), rows, groups = _quant_rows(store.q, per_token)
+        assert [t.data_ptr() for t in (codes, scale, zero)] == [r.buffer.data_ptr() for r in store.rows]
+        assert rows == store.rows[0].buffer.shape[2] > store.q.codes.shape[2]
+        assert groups == store.rows[1].buffer.shape[2] and (groups == rows) == per_token
+        assert torch.equal(kernel_rows(codes, rows), store.q.codes)
+        assert torch.equal(kernel_rows(scale, groups), store.q.scale)
+        assert torch.equal(kernel_rows(zero, groups), store.q.zero)
+
+
+def codes_signature() -> list[tuple[str, str]]:
+    """``(type, name)`` of each parameter of the codes kernels (codes.cu's ``CODES_KERNEL``)."""
+    text = (Path(codes_module.__file__).parent / "codes.cu").read_text().replace("\\\n", "\n")
+    start = text.index("NAME(", text.index("#define CODES_KERNEL")) + len("NAME(")
+    out = []
+    for param in (" ".join(x.split()) for x in text[start : text.index(")", start)].split(",")):
+        kind, name = param.replace("*", "* ").rsplit(" ", 1)
+        out.append(("ptr" if "*" in kind else kind.replace("const ", "").strip(), name))
+    return out
+
+
+KERNEL_ARG_KINDS = {np.uint64: "ptr", np.int32: "int", np.int64: "long long", np.float32: "float"}
+
+
+@pytest.mark.parametrize("fmt", ["kivi", "gear"])
+def test_codes_launch_arguments_match_the_kernels_signature(fmt, monkeypatch):
+    """Each argument of a codes launch has its parameter's type, in order, and the strides are the store's
+    buffers' capacities (a misordered argument would only show on a GPU otherwise)."""
+    calls = []
+    monkeypatch.setattr(codes_module, "check_cuda", lambda query: None)
+    monkeypatch.setattr(codes_module, "ptr", lambda t: np.uint64(0 if t is None else t.data_ptr()))  # CPU tensors
+    monkeypatch.setattr(codes_module, "sm_count", lambda index: 132)
+    monkeypatch.setattr(codes_module, "launch", lambda *args, **kw: calls.append(args))
+    state = state_for(fmt, 2, 8, 16, 2, 3, 32, [70, *[1] * 25])
+    codes_module._attend(fmt, state, torch.randn(2, 6, 1, 32), None, 32**-0.5)
+    (source, name, grid, block, args), merge = calls
+    params = codes_signature()
+    assert source == "codes.cu" and name.startswith(f"codes_{fmt}_b2_r") and merge[1] == "codes_merge"
+    assert [KERNEL_ARG_KINDS[type(x)] for x in args] == [kind for kind, _ in params]
+    named = {param: int(x) for (_, param), x in zip(params, args, strict=True)}
+    k, v = state.k.store, state.v.store
+    windows = (state.k.window.shape[2], state.v.window.shape[2])
+    assert (named["kn"], named["vn"], named["kw"], named["vw"]) == (k.length, v.length, *windows)
+    assert named["kcodes"] == k.q.codes.data_ptr() and named["vcodes"] == v.q.codes.data_ptr()
+    if fmt == "kivi":  # RowBuffers: read in place at their capacity
+        assert named["krows"] == k.rows[0].buffer.shape[2] and named["kgroups"] == k.rows[1].buffer.shape[2]
+        assert named["vrows"] == v.rows[0].buffer.shape[2] > v.length
+    else:
+        assert (named["krows"], named["kgroups"], named["vrows"]) == (k.length, k.length // 8, v.length)
+    assert (named["D"], named["G"], named["L"], named["Hkv"]) == (32, 8, state.length, 3)
+
+
+@gpu_test
+def test_kernel_follows_a_growing_kivi_store():
+    """Decode steps on the device: values coded into buffers with room (their capacity the row stride), a key
+    block flushed, the buffers regrown; the kernel reads them in place and matches the reference every step."""
+    from kernels_cupy.codes import attend_codes
+
+    state = kivi_state(2, 8, 16, 2, 2, 64, [100])
+    state.map_tensors(lambda t: t.cuda())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(300):
+        k, v = (torch.randn(2, 2, 1, 64, device="cuda", generator=gen).half().float() for _ in range(2))
+        state.append(k, v, decode=True)
+        query = torch.randn(2, 4, 1, 64, device="cuda", generator=gen)
+        ref, _ = codes_format.attend(state, None, query, None, 0.125)
+        torch.testing.assert_close(attend_codes(state, None, query, None, 0.125)[0], ref, atol=5e-6, rtol=5e-5)
+    assert state.v.store.rows[0].buffer.shape[2] > state.v.store.length  # read with slack, not a contiguous copy
 
 
 @gpu_test

@@ -233,15 +233,24 @@ def test_reads_count_every_byte_held_and_the_window_at_16_bits():
     assert stats["widths_v"][16] == pytest.approx(128 / 1000)
 
 
-def test_every_held_tensor_owns_exactly_its_bytes():
-    """No stored tensor is a view that keeps a bigger buffer alive (which ``nbytes`` would not see)."""
+def test_a_decode_step_codes_in_place_and_the_slack_stays_under_two_blocks():
+    """A value leaving the window is written into the store's buffers, not appended by copying the coded
+    history (``RowBuffer``): the held codes, scales and zeros are views of buffers whose room beyond them is
+    under two blocks, and a step that fits keeps every buffer where it was."""
     layer = kivi_layer(bits=4, group_size=8, residual=16)
     k = torch.randn(2, 3, 40, 16).half()
     layer.update(k, k)
     for _ in range(20):
         layer.update(k[:, :, :1], k[:, :, :1])
-    for t in layer.stored_k() + layer.stored_v():
-        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    stores = (layer.k_stream.store, layer.v_stream.store)
+    for store in stores:
+        for rows, t in zip(store.rows, store.q.tensors(), strict=True):
+            assert t.data_ptr() == rows.buffer.data_ptr() and t.shape[2] == rows.rows
+            assert 0 < rows.buffer.shape[2] - rows.rows < 2 * rows.block
+    before = [rows.buffer.data_ptr() for store in stores for rows in store.rows]
+    layer.update(k[:, :, :1], k[:, :, :1])
+    assert layer.v_stream.store.length == 60 - 16 + 1
+    assert [rows.buffer.data_ptr() for store in stores for rows in store.rows] == before
 
 
 def test_batch_reorder_and_reset():

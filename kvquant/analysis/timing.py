@@ -25,10 +25,12 @@ import contextlib
 import functools
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvquant.attention import take_reader
@@ -86,12 +88,37 @@ LAYOUTS = {  # name: LlamaConfig sizes of the hub model (RoPE without scaling: t
 
 @dataclass(frozen=True)
 class StepTime:
-    """Median seconds of one step, bits read per element, bytes read per step, the backend used."""
+    """Median seconds of one step, bits read per element, bytes read per step, the backend used; for a
+    whole model's step also the torch operators it dispatched per layer (``OpCounter``)."""
 
     seconds: float
     bits_read: float
     bytes_read: float
     backend: str
+    ops_per_layer: float | None = None
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operators dispatched while it is active, views excepted (they launch nothing).
+
+    On a GPU each counted operator is a kernel launch or a host sync (``item``): at batch 1 a decode step is
+    bound by them, so this count, the same on every machine, says where a cache's step loses to
+    ``DynamicCache``'s before any timing does. A kernel backend's own launches (CuPy, C++) are not torch
+    operators and are not counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
 
 
 @functools.cache
@@ -289,5 +316,10 @@ def model_step_time(
             else:  # every K and V element, at the model's width
                 n = 2 * sum(layer.keys.numel() for layer in cache.layers)
                 bits, elements = bits + 8.0 * dtype.itemsize * n, elements + n
+        position = torch.full((batch, 1), fill + warmup + repeats, device=device)
+        with OpCounter() as counter:  # one more step, untimed: what it dispatched
+            model(input_ids=ids[-1], past_key_values=cache, position_ids=position, use_cache=True)
+        _sync(device)
     backend = getattr(cache, "backend", None) or "torch"
-    return StepTime(statistics.median(times), bits / max(elements, 1), bits / 8 / repeats, backend)
+    ops = counter.total / model.config.num_hidden_layers
+    return StepTime(statistics.median(times), bits / max(elements, 1), bits / 8 / repeats, backend, ops)

@@ -9,33 +9,52 @@ ever coded again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
 
-from kvquant.formats.base import FormatState, Reads, attention
+from kvquant.formats.base import FormatState, Reads, RowBuffer, attention
 from kvquant.formats.window import TOKEN_AXIS, Stream
-from kvquant.quant.integer import QuantizedTensor, cat, dequantize, drop_leading, quantize
+from kvquant.quant.integer import QuantizedTensor, dequantize, drop_leading, quantize
 
 
 class QuantStore:
-    """KIVI's compressed part of one stream: one growing ``QuantizedTensor`` (codes, scales, zeros)."""
+    """KIVI's compressed part of one stream: one growing ``QuantizedTensor`` (codes, scales, zeros) whose
+    tensors are views of ``RowBuffer``s, so the value a decode step codes is written in place rather than
+    the whole coded history copied to append it."""
+
+    BLOCK = 256  # tokens of room a full buffer grows by (``RowBuffer``)
 
     def __init__(self, bits: int, axis: int, group_size: int):
         self.bits, self.axis, self.group_size = bits, axis, group_size
         self.unit = group_size if axis == TOKEN_AXIS else 1  # a key group spans tokens
         self.q: QuantizedTensor | None = None
         self.length = 0
+        meta_block = self.BLOCK // self.unit  # scale/zero rows are groups of tokens for keys
+        self.rows = (RowBuffer(self.BLOCK), RowBuffer(meta_block), RowBuffer(meta_block))
 
     def add(self, x: torch.Tensor, decode: bool) -> None:
+        if self.length % self.unit:
+            raise ValueError(f"only whole groups ({self.unit}) can be coded before more tokens ({self.length} held)")
         new = quantize(x, self.bits, self.axis, self.group_size, checked=True)  # the layer's check_storable
-        self.q = new if self.q is None else cat([self.q, new], dim=TOKEN_AXIS)
+        codes, scale, zero = (rows.append(t) for rows, t in zip(self.rows, new.tensors(), strict=True))
         self.length += x.shape[TOKEN_AXIS]
+        shape = (*new.shape[:TOKEN_AXIS], self.length, *new.shape[TOKEN_AXIS + 1 :])
+        self.q = replace(new, codes=codes, scale=scale, zero=zero, shape=shape)
+
+    def _hold(self, q: QuantizedTensor | None) -> None:
+        """``q``'s tensors become the buffers (a drop or a batch map made new ones)."""
+        self.q = q
+        for rows, t in zip(self.rows, q.tensors() if q is not None else (None,) * 3, strict=True):
+            rows.reset(t)
+        if q is not None:
+            self.q = replace(q, codes=self.rows[0].held, scale=self.rows[1].held, zero=self.rows[2].held)
 
     def drop(self, n: int) -> int:
         m = min(n, self.length) // self.unit * self.unit
         if m:
-            self.q = drop_leading(self.q, TOKEN_AXIS, m) if m < self.length else None
+            self._hold(drop_leading(self.q, TOKEN_AXIS, m) if m < self.length else None)
             self.length -= m
         return m
 
@@ -48,7 +67,7 @@ class QuantStore:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.q is not None:
-            self.q = self.q.map(fn)
+            self._hold(self.q.map(fn))
 
 
 class CodesState(FormatState):

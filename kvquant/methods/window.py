@@ -24,7 +24,7 @@ import torch
 
 from kvquant.attention import stock_attention
 from kvquant.backends import TORCH, Backend, check_backend
-from kvquant.cache import FP16_MAX, CropError, FiniteCheck, KVCache, KVGeometry, KVLayer
+from kvquant.cache import FP16_MAX, CropError, FiniteCheck, KVCache, KVGeometry, KVLayer, value_range, within_fp16
 from kvquant.errors import InvalidParameterError, KvquantError
 from kvquant.formats.codes import CodesState
 from kvquant.formats.window import TOKEN_AXIS, Stream
@@ -38,9 +38,12 @@ class NonFiniteKVError(KvquantError, ValueError):
     cannot hold it, and min-max quantization of such a group is meaningless."""
 
 
-def out_of_range_error(label: str, layer_idx: int | None, bad_keys: int, bad_values: int) -> str | None:
-    """The one line for keys or values out of range (None when both were fine)."""
-    if not (bad_keys or bad_values):
+def out_of_range_error(
+    label: str, layer_idx: int | None, k_low: float, k_high: float, v_low: float, v_high: float
+) -> str | None:
+    """The one line for keys or values out of range, from their ``value_range`` (None when both were fine)."""
+    bad_keys = not within_fp16(k_low, k_high)
+    if not bad_keys and within_fp16(v_low, v_high):
         return None
     what = "keys" if bad_keys else "values"
     return f"{label}: layer {layer_idx} received non-finite {what} (NaN or inf) or {what} beyond fp16's ±{FP16_MAX:g}"
@@ -49,19 +52,20 @@ def out_of_range_error(label: str, layer_idx: int | None, bad_keys: int, bad_val
 def check_storable(
     label: str, layer_idx: int | None, keys: torch.Tensor, values: torch.Tensor, check: FiniteCheck | None = None
 ) -> None:
-    """Refuse NaN, ±inf and values beyond fp16's range (every one fails ``max |x| <= 65504``): one reduction
-    a tensor per update and one sync, or on a GPU none (``check`` reads the verdict when the next step begins,
+    """Refuse NaN, ±inf and values beyond fp16's range: one reduction a tensor per update (``value_range``)
+    and one sync, or on a GPU none (``check`` reads the verdict when the next step begins,
     ``kvquant.cache.FiniteCheck``). What passes quantizes to finite fp16 scales and zeros
     (``kvquant.quant.integer.quantize(checked=True)`` relies on it)."""
     if not keys.numel():
         return
-    out_of_range = ~(torch.stack((keys.abs().amax().float(), values.abs().amax().float())) <= FP16_MAX)
+    verdict = (*value_range(keys), *value_range(values))
+    describe = functools.partial(out_of_range_error, label, layer_idx)
     if check is not None and check.defers(keys):
-        check.defer(layer_idx, out_of_range, functools.partial(out_of_range_error, label, layer_idx), NonFiniteKVError)
+        check.defer(layer_idx, verdict, describe, NonFiniteKVError)
         return
-    bad_keys, bad_values = out_of_range.tolist()
-    if bad_keys or bad_values:
-        raise NonFiniteKVError(out_of_range_error(label, layer_idx, bad_keys, bad_values))
+    message = describe(*torch.stack([t.float() for t in verdict]).tolist())
+    if message is not None:
+        raise NonFiniteKVError(message)
 
 
 def check_divides(label: str, group_size: int, head_dim: int) -> None:

@@ -114,8 +114,10 @@ class QuantizedTensor:
         )
 
 
-def _outward_fp16(lo: torch.Tensor, hi: torch.Tensor, steps: int, checked: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 ``(scale, zero)`` whose grid ``zero + k·scale, k = 0…steps`` covers ``[lo, hi]``.
+def _outward_fp16(
+    lo: torch.Tensor, hi: torch.Tensor, steps: int, checked: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp16 ``(scale, zero)`` whose grid ``zero + k·scale, k = 0…steps`` covers ``[lo, hi]``, and both in fp32.
 
     ``zero`` is ``lo`` rounded down to fp16 and ``scale`` is rounded up. A constant group whose value
     is an fp16 number gets ``zero = lo`` and ``scale = 0``: it is reconstructed exactly. Unless ``checked``,
@@ -126,13 +128,44 @@ def _outward_fp16(lo: torch.Tensor, hi: torch.Tensor, steps: int, checked: bool)
     zf = zero.float()
     scale = ((hi - zf) / steps).half()
     scale = torch.where(zf + steps * scale.float() < hi, scale.nextafter(_inf(scale, 1)), scale)
-    if not checked and not bool(torch.isfinite(scale.sum(dtype=torch.float32) + zf.sum())):
+    sf = scale.float()
+    if not checked and not bool(torch.isfinite(sf.sum() + zf.sum())):
         raise ValueError("values outside the fp16 range (or not finite) cannot be quantized with fp16 scales")
-    return scale, zero
+    return scale, zero, sf, zf
+
+
+_CONSTANTS: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _constant(name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant tensor made once per dtype and device: on a GPU each ``torch.full`` a call would be a
+    launch, and one value's coding (a KIVI decode step) is a few dozen small ops."""
+    key = (name, dtype, device)
+    if key not in _CONSTANTS:
+        if name in ("inf", "-inf"):
+            value = torch.tensor(float(name), dtype=dtype)
+        else:  # "weights<bits>": each code's place value in its byte, for packing by a multiply and a sum
+            bits = int(name.removeprefix("weights"))
+            value = torch.tensor([float(1 << (bits * i)) for i in range(8 // bits)], dtype=dtype)
+        _CONSTANTS[key] = value.to(device)
+    return _CONSTANTS[key]
 
 
 def _inf(like: torch.Tensor, sign: int) -> torch.Tensor:
-    return torch.full((), sign * float("inf"), dtype=like.dtype, device=like.device)
+    return _constant("inf" if sign > 0 else "-inf", like.dtype, like.device)
+
+
+def _pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``pack`` of integer codes held in fp32 (each ``< 2^bits``): byte ``j`` is ``Σ_i q[per·j + i]·2^(bits·i)``,
+    summed exactly in fp32 (at most 255), cast once — three ops where shifting uint8 codes took ``2·per``."""
+    per = 8 // bits
+    if per == 1:
+        return q.to(torch.uint8)
+    n = q.shape[-1]
+    if n % per:
+        q = torch.nn.functional.pad(q, (0, per - n % per))
+    weights = _constant(f"weights{bits}", q.dtype, q.device)
+    return (q.reshape(*q.shape[:-1], -1, per) * weights).sum(dim=-1).to(torch.uint8)
 
 
 def quantize(
@@ -167,8 +200,7 @@ def quantize(
     grouped_shape = (*padded[:axis], padded[axis] // group_size, group_size, *padded[axis + 1 :])
     g = xf.reshape(grouped_shape)
     if mask is None:
-        lo = g.amin(dim=axis + 1, keepdim=True)
-        hi = g.amax(dim=axis + 1, keepdim=True)
+        lo, hi = torch.aminmax(g, dim=axis + 1, keepdim=True)
     else:
         m = mask.reshape(grouped_shape)
         lo = torch.where(m, float("inf"), g).amin(dim=axis + 1, keepdim=True)
@@ -177,10 +209,9 @@ def quantize(
         lo = torch.where(empty, 0.0, lo)
         hi = torch.where(empty, 0.0, hi)
     steps = levels(bits)
-    scale, zero = _outward_fp16(lo, hi, steps, checked)
-    sf = scale.float()
-    q = ((g - zero.float()) / torch.where(sf == 0, 1.0, sf)).round_().clamp_(0, steps)
-    codes = pack(q.to(torch.uint8).reshape(padded), bits)
+    scale, zero, sf, zf = _outward_fp16(lo, hi, steps, checked)
+    q = ((g - zf) / torch.where(sf == 0, 1.0, sf)).round_().clamp_(0, steps)
+    codes = _pack_codes(q.reshape(padded), bits)
     return QuantizedTensor(codes, scale, zero, bits, axis, group_size, shape)
 
 
