@@ -521,3 +521,26 @@ def test_sliding_layers_return_the_full_layers_tail_and_hold_what_the_rule_says(
             assert layer.get_seq_length() == seen
         assert sliding.positions.shape[1] == seen - min(layer.first_held() for layer in sliding.layers)
     assert len(flipped) <= SLIDING_FLIP_SHARE * len(compared), (len(flipped), len(compared))
+
+
+def test_a_decode_step_codes_its_token_in_place(stories):
+    """The coded history grows in place (``RowBuffer``): codes and scales are views of buffers with room, a
+    decode step writes its token there (no buffer moves), and layer 0 holds what coding it all at once holds (up
+    to the two forwards' float order)."""
+    model, tok = stories
+    ids = story_ids(tok, 200, start=10)
+    decoded = get_method("higgs_post_rope", backend="torch").new_cache(model)
+    feed(model, ids[:150], decoded, 150)
+    feed(model, ids[150:190], decoded, 1)
+    state = decoded.layers[2].state
+    buffers = [rows.buffer.data_ptr() for rows in state.code_rows]
+    held = (*state.qk.tensors(), *state.qv.tensors())
+    assert [t.data_ptr() for t in held] == buffers and all(r.buffer.shape[1] > r.rows for r in state.code_rows)
+    feed(model, ids[190:191], decoded, 1)
+    assert [rows.buffer.data_ptr() for rows in state.code_rows] == buffers and state.n_codes == held[0].shape[1] + 1
+    whole = get_method("higgs_post_rope", backend="torch").new_cache(model)
+    feed(model, ids[:191], whole, 191)
+    a, b = decoded.layers[0].state, whole.layers[0].state  # layer 0's K/V do not depend on the history's codes
+    assert a.n_codes == b.n_codes and a.qk.codes.shape == b.qk.codes.shape
+    torch.testing.assert_close(a.qv.scales, b.qv.scales, rtol=2e-3, atol=1e-4)  # one forward's float order or two
+    assert (a.qk.codes == b.qk.codes).float().mean() > 0.99 and (a.qv.codes == b.qv.codes).float().mean() > 0.99

@@ -22,46 +22,49 @@ def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 class RowBuffer:
-    """One tensor ``[B, H, rows, ...]`` appended along dim 2 in place: a buffer of some capacity whose held rows
-    are the view ``[:, :, :rows]`` (``held``), so an append copies what it appends, not the history
+    """One tensor appended along dimension ``dim`` (its rows: tokens) in place: a buffer of some capacity whose held
+    rows are the view ``narrow(dim, 0, rows)`` (``held``), so an append copies what it appends, not the history
     (``torch.cat`` copied every held row, every decode step: as many bytes as attention reads). A full buffer
     is replaced by one with room for ``block`` more rows than it needs, so the history is copied once per
     ``block`` rows appended and the slack stays under two blocks. The kernels read ``held`` with its
     strides (C++) or the buffer with its capacity as the row stride (CuPy, ``kernels_cupy.codes.rows_of``)."""
 
-    def __init__(self, block: int = 256) -> None:
-        self.block = max(1, block)
+    def __init__(self, block: int = 256, dim: int = 2) -> None:
+        self.block, self.dim = max(1, block), dim
         self.buffer: torch.Tensor | None = None
         self.rows = 0
 
     @property
     def held(self) -> torch.Tensor | None:
-        return None if self.buffer is None else self.buffer[:, :, : self.rows]
+        return None if self.buffer is None else self.buffer.narrow(self.dim, 0, self.rows)
+
+    def holds(self, t: torch.Tensor | None) -> bool:
+        """Whether ``t`` is this buffer's held view (not a tensor put in its place since)."""
+        held = self.held
+        if t is None or held is None:
+            return t is None and held is None
+        return (t.data_ptr(), t.shape, t.stride()) == (held.data_ptr(), held.shape, held.stride())
 
     def append(self, x: torch.Tensor) -> torch.Tensor:
         """Write ``x`` after the held rows; returns the held rows (a view)."""
-        n, buf = x.shape[2], self.buffer
-        fits = (
-            buf is not None
-            and self.rows + n <= buf.shape[2]
-            and (buf.shape[:2], buf.shape[3:], buf.dtype, buf.device) == (x.shape[:2], x.shape[3:], x.dtype, x.device)
-        )
-        if not fits:
-            if buf is not None and (buf.shape[:2], buf.shape[3:]) != (x.shape[:2], x.shape[3:]):
-                raise ValueError(f"cannot append rows of shape {tuple(x.shape)} to rows of {tuple(buf.shape)}")
+        d, n, buf = self.dim, x.shape[self.dim], self.buffer
+        other = x.shape[:d] + x.shape[d + 1 :]
+        if buf is not None and buf.shape[:d] + buf.shape[d + 1 :] != other:
+            raise ValueError(f"cannot append rows of shape {tuple(x.shape)} to rows of {tuple(buf.shape)}")
+        if buf is None or self.rows + n > buf.shape[d] or (buf.dtype, buf.device) != (x.dtype, x.device):
             capacity = -(-(self.rows + n + self.block - 1) // self.block) * self.block
-            new = torch.empty(*x.shape[:2], capacity, *x.shape[3:], dtype=x.dtype, device=x.device)
+            new = torch.empty(*x.shape[:d], capacity, *x.shape[d + 1 :], dtype=x.dtype, device=x.device)
             if self.rows:
-                new[:, :, : self.rows].copy_(buf[:, :, : self.rows])
+                new.narrow(d, 0, self.rows).copy_(buf.narrow(d, 0, self.rows))
             self.buffer = new
-        self.buffer[:, :, self.rows : self.rows + n].copy_(x)
+        self.buffer.narrow(d, self.rows, n).copy_(x)
         self.rows += n
         return self.held
 
     def reset(self, t: torch.Tensor | None) -> None:
         """Hold exactly ``t`` (after a drop or a batch map made new tensors): the next append regrows."""
         self.buffer = None if t is None else t.contiguous()
-        self.rows = 0 if t is None else t.shape[2]
+        self.rows = 0 if t is None else t.shape[self.dim]
 
 
 def whole_bit_widths(n_compressed: int, compressed_bits: int, n_fp16: int) -> dict[int, int]:

@@ -15,10 +15,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvquant.formats.base import FormatState, Reads, attention
+from kvquant.formats.base import FormatState, Reads, RowBuffer, attention
 from kvquant.formats.window import Window
-from kvquant.quant.higgs import Higgs, HiggsTensor, cat_rows
+from kvquant.quant.higgs import Higgs, HiggsTensor
 from kvquant.quant.rope import apply_rope
+
+CODE_BLOCK = 64  # tokens of room the code buffers grow by (``RowBuffer``; KIVI's ``QuantStore.BLOCK`` likewise)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class HiggsState(FormatState):
         self.k_win, self.v_win = Window(recent, sink=sink), Window(recent, sink=sink)
         self.qk: HiggsTensor | None = None
         self.qv: HiggsTensor | None = None
+        #: where ``qk``/``qv`` grow: key codes, key scales, value codes, value scales, ``[B, rows, *]`` each
+        self.code_rows = tuple(RowBuffer(CODE_BLOCK, dim=1) for _ in range(4))
         self.code_lo = 0
         self.rope: dict[str, Any] = {}
 
@@ -69,11 +73,18 @@ class HiggsState(FormatState):
         return 0 if self.k_win.recent is None else self.k_win.recent.shape[-2]
 
     def add_codes(self, qk: HiggsTensor, qv: HiggsTensor, start: int) -> None:
-        """Append the codes of tokens from position ``start`` on (contiguous with those held)."""
+        """Append the codes of tokens from position ``start`` on (contiguous with those held), written in place
+        into ``RowBuffer``s: a decode step copies the token it codes, not the coded history."""
+        held = (*self.qk.tensors(), *self.qv.tensors()) if self.qk is not None else (None,) * 4
         if self.qk is None:
-            self.code_lo, self.qk, self.qv = start, qk, qv
-        else:
-            self.qk, self.qv = cat_rows([self.qk, qk]), cat_rows([self.qv, qv])
+            self.code_lo = start
+        if not all(rows.holds(t) for rows, t in zip(self.code_rows, held, strict=True)):
+            for rows, t in zip(self.code_rows, held, strict=True):  # replaced since (a drop, a batch map)
+                rows.reset(t)
+        k_codes, k_scales, v_codes, v_scales = (
+            rows.append(t) for rows, t in zip(self.code_rows, (*qk.tensors(), *qv.tensors()), strict=True)
+        )
+        self.qk, self.qv = HiggsTensor(k_codes, k_scales), HiggsTensor(v_codes, v_scales)
 
     def tensors_k(self) -> list[torch.Tensor | None]:
         return [*self.k_win.tensors(), *(self.qk.tensors() if self.qk else [])]
