@@ -194,6 +194,8 @@ def check_cuda(query: torch.Tensor) -> None:
 
 def raw(t: torch.Tensor | None) -> np.uint64:
     """The device pointer of a tensor ``rows_of`` checked (a buffer's view: not contiguous, read in place)."""
+    if t is not None and not t.is_cuda:
+        raise ValueError(f"kernels_cupy: kernel arguments must be CUDA tensors, got one on {t.device}")
     return np.uint64(0 if t is None else t.data_ptr())
 
 

@@ -254,7 +254,7 @@ def to_fp16_checked(
     low, high = value_range(x)
     if check is not None and check.defers(x):
         check.defer(layer_idx, (low, high), functools.partial(fp16_range_verdict, layer_idx, what), KvquantError)
-    elif not within_fp16(low.item(), high.item()):
+    elif not within_fp16(*(torch.stack((low, high)).tolist() if x.is_cuda else (low.item(), high.item()))):
         bad = ~torch.isfinite(x) | (x.abs() > FP16_MAX)
         raise KvquantError(fp16_range_error(layer_idx, what, int(bad.sum()), int(torch.isnan(x).sum())))
     return x.to(torch.float16)

@@ -540,6 +540,10 @@ def test_a_decode_step_codes_its_token_in_place(stories):
     assert [rows.buffer.data_ptr() for rows in state.code_rows] == buffers and state.n_codes == held[0].shape[1] + 1
     whole = get_method("higgs_post_rope", backend="torch").new_cache(model)
     feed(model, ids[:191], whole, 191)
+    decoded.layers[2].map_tensors(lambda t: t.clone())  # a batch map: the new tensors become the buffers
+    held = (*state.qk.tensors(), *state.qv.tensors())
+    assert all(rows.holds(t) for rows, t in zip(state.code_rows, held, strict=True))
+    assert state.code_rows[0].buffer.data_ptr() not in buffers
     a, b = decoded.layers[0].state, whole.layers[0].state  # layer 0's K/V do not depend on the history's codes
     assert a.n_codes == b.n_codes and a.qk.codes.shape == b.qk.codes.shape
     torch.testing.assert_close(a.qv.scales, b.qv.scales, rtol=2e-3, atol=1e-4)  # one forward's float order or two

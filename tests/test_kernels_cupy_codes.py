@@ -470,6 +470,7 @@ def test_codes_launch_arguments_match_the_kernels_signature(fmt, monkeypatch):
     calls = []
     monkeypatch.setattr(codes_module, "check_cuda", lambda query: None)
     monkeypatch.setattr(codes_module, "ptr", lambda t: np.uint64(0 if t is None else t.data_ptr()))  # CPU tensors
+    monkeypatch.setattr(codes_module, "raw", lambda t: np.uint64(0 if t is None else t.data_ptr()))
     monkeypatch.setattr(codes_module, "sm_count", lambda index: 132)
     monkeypatch.setattr(codes_module, "launch", lambda *args, **kw: calls.append(args))
     state = state_for(fmt, 2, 8, 16, 2, 3, 32, [70, *[1] * 25])

@@ -4,6 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvquant import get_method, method_names
 from kvquant.cache import KVGeometry
@@ -187,3 +189,36 @@ def test_models_the_kernels_cannot_run_are_refused_or_fall_back(backend, capsys,
         return
     assert method.new_cache(model).backend == "torch"
     assert "uses torch" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.sampled_from([1, 16, 64]), st.sampled_from([1, 2]))
+def test_a_row_buffer_holds_what_was_appended_with_bounded_slack(sizes, block, dim):
+    """``RowBuffer``: the held view is every row appended, in order, and the room left is under
+    ``max(block, 2·n) + block`` rows (``n`` the largest append); ``reset`` holds exactly the tensor given."""
+    from kvquant.formats.base import RowBuffer
+
+    rows, parts = RowBuffer(block, dim=dim), []
+    for i, n in enumerate(sizes):
+        shape = (2, 3, n, 4) if dim == 2 else (2, n, 5)
+        position = torch.arange(n).reshape([n if d == dim else 1 for d in range(len(shape))])
+        parts.append(torch.full(shape, 1000.0 * i) + position)
+        held = rows.append(parts[-1])
+        assert torch.equal(held, torch.cat(parts, dim=dim)) and rows.holds(held)
+        assert 0 <= rows.buffer.shape[dim] - rows.rows < max(block, 2 * max(sizes[: i + 1])) + block
+    rows.reset(held.narrow(dim, 0, 1).clone())
+    assert rows.rows == 1 and not rows.holds(held)
+
+
+@pytest.mark.parametrize(("size", "block", "most"), [(1, 64, 1 + 500 // 64), (128, 64, 1 + 20 // 2), (16, 64, 6)])
+def test_a_row_buffer_regrows_once_a_block_or_every_other_big_append(size, block, most):
+    """Single tokens regrow the buffer once per ``block``; appends bigger than a block (KIVI's key flushes of
+    128 tokens) fit twice before the next regrowth, instead of regrowing (copying the history) every time."""
+    from kvquant.formats.base import RowBuffer
+
+    rows, buffers = RowBuffer(block), []
+    for _ in range(500 if size == 1 else 20):
+        rows.append(torch.zeros(1, 2, size, 8))
+        if rows.buffer is not (buffers[-1] if buffers else None):
+            buffers.append(rows.buffer)
+    assert len(buffers) <= most

@@ -101,10 +101,11 @@ class StepTime:
 class OpCounter(TorchDispatchMode):
     """Counts the torch operators dispatched while it is active, views excepted (they launch nothing).
 
-    On a GPU each counted operator is a kernel launch or a host sync (``item``): at batch 1 a decode step is
-    bound by them, so this count, the same on every machine, says where a cache's step loses to
-    ``DynamicCache``'s before any timing does. A kernel backend's own launches (CuPy, C++) are not torch
-    operators and are not counted.
+    On a GPU nearly every counted operator is a kernel launch or a host sync (``item``; allocations such as
+    ``empty`` are counted too): at batch 1 a decode step is bound by them, so this count, the same on every
+    machine, says where a cache's step loses to ``DynamicCache``'s before any timing does. It is one step's:
+    a step that flushes a block (KIVI's keys) or regrows a buffer dispatches more. A kernel backend's own
+    launches (CuPy, C++) are not torch operators and are not counted.
     """
 
     def __init__(self) -> None:

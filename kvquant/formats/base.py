@@ -25,8 +25,9 @@ class RowBuffer:
     """One tensor appended along dimension ``dim`` (its rows: tokens) in place: a buffer of some capacity whose held
     rows are the view ``narrow(dim, 0, rows)`` (``held``), so an append copies what it appends, not the history
     (``torch.cat`` copied every held row, every decode step: as many bytes as attention reads). A full buffer
-    is replaced by one with room for ``block`` more rows than it needs, so the history is copied once per
-    ``block`` rows appended and the slack stays under two blocks. The kernels read ``held`` with its
+    is replaced by one with room for ``max(block, 2·n)`` more rows than it needs (``n`` the rows appended), so the
+    history is copied at most once per ``block`` rows appended, or per two appends of more, and the slack stays
+    under two blocks (two appends). The kernels read ``held`` with its
     strides (C++) or the buffer with its capacity as the row stride (CuPy, ``kernels_cupy.codes.rows_of``)."""
 
     def __init__(self, block: int = 256, dim: int = 2) -> None:
@@ -52,7 +53,8 @@ class RowBuffer:
         if buf is not None and buf.shape[:d] + buf.shape[d + 1 :] != other:
             raise ValueError(f"cannot append rows of shape {tuple(x.shape)} to rows of {tuple(buf.shape)}")
         if buf is None or self.rows + n > buf.shape[d] or (buf.dtype, buf.device) != (x.dtype, x.device):
-            capacity = -(-(self.rows + n + self.block - 1) // self.block) * self.block
+            room = max(self.block, 2 * n)  # appends of whole blocks (KIVI's key flushes) fit twice before the next
+            capacity = -(-(self.rows + n + room) // self.block) * self.block
             new = torch.empty(*x.shape[:d], capacity, *x.shape[d + 1 :], dtype=x.dtype, device=x.device)
             if self.rows:
                 new.narrow(d, 0, self.rows).copy_(buf.narrow(d, 0, self.rows))

@@ -33,7 +33,7 @@ class QuantStore:
         self.unit = group_size if axis == TOKEN_AXIS else 1  # a key group spans tokens
         self.q: QuantizedTensor | None = None
         self.length = 0
-        meta_block = self.BLOCK // self.unit  # scale/zero rows are groups of tokens for keys
+        meta_block = -(-self.BLOCK // self.unit)  # scale/zero rows are groups of tokens for keys
         self.rows = (RowBuffer(self.BLOCK), RowBuffer(meta_block), RowBuffer(meta_block))
 
     def add(self, x: torch.Tensor, decode: bool) -> None:
@@ -49,7 +49,8 @@ class QuantStore:
         """``q``'s tensors become the buffers (a drop or a batch map made new ones)."""
         self.q = q
         for rows, t in zip(self.rows, q.tensors() if q is not None else (None,) * 3, strict=True):
-            rows.reset(t)
+            if not rows.holds(t):  # a map that changed nothing (a prefetch on the same device) keeps the buffers
+                rows.reset(t)
         if q is not None:
             self.q = replace(q, codes=self.rows[0].held, scale=self.rows[1].held, zero=self.rows[2].held)
 

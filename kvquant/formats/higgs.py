@@ -73,18 +73,30 @@ class HiggsState(FormatState):
         return 0 if self.k_win.recent is None else self.k_win.recent.shape[-2]
 
     def add_codes(self, qk: HiggsTensor, qv: HiggsTensor, start: int) -> None:
-        """Append the codes of tokens from position ``start`` on (contiguous with those held), written in place
-        into ``RowBuffer``s: a decode step copies the token it codes, not the coded history."""
-        held = (*self.qk.tensors(), *self.qv.tensors()) if self.qk is not None else (None,) * 4
+        """Append the codes of tokens from position ``start`` on (contiguous with those held), written into
+        ``RowBuffer``s: a step copies the token it codes, and the coded history once per regrowth (the CuPy
+        HIGGS kernel reads a contiguous copy where the held view is not contiguous: batch > 1)."""
         if self.qk is None:
             self.code_lo = start
-        if not all(rows.holds(t) for rows, t in zip(self.code_rows, held, strict=True)):
-            for rows, t in zip(self.code_rows, held, strict=True):  # replaced since (a drop, a batch map)
-                rows.reset(t)
+        elif not self.code_rows[0].holds(self.qk.codes):  # assigned around ``set_codes``: adopt them first
+            self.set_codes(self.qk, self.qv)
         k_codes, k_scales, v_codes, v_scales = (
             rows.append(t) for rows, t in zip(self.code_rows, (*qk.tensors(), *qv.tensors()), strict=True)
         )
         self.qk, self.qv = HiggsTensor(k_codes, k_scales), HiggsTensor(v_codes, v_scales)
+
+    def set_codes(self, qk: HiggsTensor | None, qv: HiggsTensor | None) -> None:
+        """Hold ``qk``/``qv`` in place of the codes (a drop of the oldest rows, a batch map): they become the
+        buffers, so nothing held before lingers and the next ``add_codes`` grows them."""
+        held = (*qk.tensors(), *qv.tensors()) if qk is not None else (None,) * 4
+        for rows, t in zip(self.code_rows, held, strict=True):
+            if not rows.holds(t):
+                rows.reset(t)
+        if qk is None:
+            self.qk = self.qv = None
+        else:
+            k_codes, k_scales, v_codes, v_scales = (rows.held for rows in self.code_rows)
+            self.qk, self.qv = HiggsTensor(k_codes, k_scales), HiggsTensor(v_codes, v_scales)
 
     def tensors_k(self) -> list[torch.Tensor | None]:
         return [*self.k_win.tensors(), *(self.qk.tensors() if self.qk else [])]
@@ -96,8 +108,9 @@ class HiggsState(FormatState):
         self.k_win.map(fn)
         self.v_win.map(fn)
         if self.qk is not None:
-            self.qk = HiggsTensor(fn(self.qk.codes), fn(self.qk.scales))
-            self.qv = HiggsTensor(fn(self.qv.codes), fn(self.qv.scales))
+            self.set_codes(
+                HiggsTensor(fn(self.qk.codes), fn(self.qk.scales)), HiggsTensor(fn(self.qv.codes), fn(self.qv.scales))
+            )
         self.rope = {}
 
     def coded_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -66,7 +66,7 @@ def forget(layer: AquaKVLayer) -> None:
     cut = min(max(0, code_floor - layer.state.code_lo), layer.n_codes)
     if layer.state.qk is not None and cut:
         layer.state.code_lo += cut
-        layer.state.qk, layer.state.qv = drop_code_rows(layer.state.qk, cut), drop_code_rows(layer.state.qv, cut)
+        layer.state.set_codes(drop_code_rows(layer.state.qk, cut), drop_code_rows(layer.state.qv, cut))
     recent_lo = layer.seen - layer.n_recent
     if layer.early:
         start = max(recent_lo, code_floor)
