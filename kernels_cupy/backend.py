@@ -5,7 +5,8 @@ a ``kvquant.formats.planes.PlaneStore`` by an ``AlignedRule``, KIVI's and GEAR's
 their codes (``kernels_cupy.codes``), HIGGS's, keys coded before or after RoPE (``kernels_cupy.higgs``,
 methods ``higgs`` and ``higgs_post_rope``), and AQUA-KV's over its cache's decoded workspace
 (``kernels_cupy.aquakv``, whose ``aquakv_reconstruct`` and ``aquakv_encode`` the cache calls through
-``Backend.kernel``); ``STATES`` gives layers the plane store whose appends run the pack kernel.
+``Backend.kernel``); ``STATES`` gives layers the plane store whose appends run the pack kernel;
+``launch_count`` the kernels launched so far (``kvquant.analysis.timing`` reads it per step).
 
 ``auto`` picks these kernels for the formats in ``AUTO``: those whose gpu tests all passed in
 ``scripts/gpu_check.sh`` (H100, 2026-12-06) and whose decode step is measured faster than the torch
@@ -24,12 +25,12 @@ import torch
 from kernels_cupy import aquakv, codes, higgs
 from kernels_cupy.aquakv import encode as aquakv_encode
 from kernels_cupy.aquakv import reconstruct as aquakv_reconstruct
-from kernels_cupy.loader import check_device, cupy_status
+from kernels_cupy.loader import check_device, cupy_status, launch_count
 from kernels_cupy.store import KernelPlaneStore
 from kvquant.backends import Backend, register_backend
 from kvquant.formats.base import Reads, causal_allowed
 
-__all__ = ["ATTEND", "STATES", "aquakv_encode", "aquakv_reconstruct", "attend", "limits"]
+__all__ = ["ATTEND", "STATES", "aquakv_encode", "aquakv_reconstruct", "attend", "launch_count", "limits"]
 
 STATES = {"planes": KernelPlaneStore}
 

@@ -96,10 +96,20 @@ def i32(x: int) -> np.int32:
     return np.int32(x)
 
 
+_LAUNCHES = [0]  # kernels launched by this process (``launch_count``)
+
+
+def launch_count() -> int:
+    """Kernels ``launch`` has launched in this process: per step, beside the torch operators
+    (``kvquant.analysis.timing.OpCounter``), what a decode step asks of the GPU."""
+    return _LAUNCHES[0]
+
+
 def launch(source: str, name: str, grid: tuple[int, ...], block: int, args: tuple, shared_mem: int = 0) -> None:
     """Launch ``name`` from ``source`` on torch's current stream of the current device."""
     import cupy
 
+    _LAUNCHES[0] += 1
     fn = kernel(source, name)
     if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
         fn.max_dynamic_shared_size_bytes = shared_mem

@@ -12,11 +12,12 @@ with synthetic K/V untimed (``model_step_time``); medians of ``--repeats`` steps
 criteria: fp16 <= 1.05, kivi2/kivi4 <= 0.8, gear2/gear4 <= 0.9, higgs_post_rope <= 1.0 at 32K); ``x fp16`` over our
 fp16 cache; ``bits`` the mean bits read per K/V element; ``ops/layer`` the torch operators one more (untimed) step
 dispatched per layer, views excepted (``kvquant.analysis.timing.OpCounter``: on a GPU each is a launch or a sync,
-what a batch-1 step is bound by; a kernel backend's own launches not included). AQUA-KV methods (``aquakv``,
-``aquakv_k_only``, ``aquakv_v_only``) get random predictors of calibration's scale for the random model (written
-once to a temporary folder: the weights' values do not change the time) and a floor row (``<name>_floor``:
-DynamicCache's step plus the predictors' matmuls over the coded history, issue 33's floor). Methods are built on
-``--backend`` (``auto``: the device's kernels where they are picked automatically, else torch;
+what a batch-1 step is bound by), ``kernels/layer`` a kernel backend's own launches in that step (CuPy's; blank
+elsewhere). AQUA-KV methods (``aquakv``, ``aquakv_k_only``, ``aquakv_v_only``) get random predictors of
+calibration's scale for the random model (written once to a temporary folder: the weights' values do not change the
+time) and a floor row (``<name>_floor``: DynamicCache's step plus the predictors' matmuls over the coded history,
+issue 33's floor). Methods are built on ``--backend`` (``auto``: the device's kernels where they are picked
+automatically, else torch;
 ``cupy``/``cpu``/``torch`` by name), or ``name@backend`` for one (``kivi2@cupy``). Needs torch and
 transformers only (no Hydra, W&B or lm-eval), so ``scripts/gpu_check.sh`` runs it on a bare GPU machine.
 """
@@ -37,7 +38,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 METHODS = "fp16,kivi2,kivi4,gear2,gear4,higgs_post_rope,truncation,alignedkv,alignedkv_block"
-COLUMNS = ("layout", "batch", "context", "method", "backend", "ms", "x dyn", "x fp16", "bits", "x floor", "ops/layer")
+COLUMNS = (
+    "layout", "batch", "context", "method", "backend", "ms", "x dyn", "x fp16", "bits", "x floor", "ops/layer",
+    "kernels/layer",
+)  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
@@ -103,11 +107,18 @@ def measure(layout: str, batch: int, context: int, methods: dict, args, device: 
     """One cell: DynamicCache first, then each method (an AQUA-KV one after its floor), each row with its ratios."""
     from kvquant.analysis.timing import layout_model, model_step_time
 
-    def time_of(method):
-        return model_step_time(method, layout, context, args.repeats, device=device, batch=batch, layers=args.layers)
+    def time_of(method, profile=False):
+        return model_step_time(
+            method, layout, context, args.repeats, device=device, batch=batch, layers=args.layers, profile=profile
+        )
 
-    dynamic = time_of(None)
-    timed = {name: time_of(method) for name, method in methods.items()}
+    profile = set(args.profile.split(",")) if args.profile else set()
+    dynamic = time_of(None, "DynamicCache" in profile)
+    timed = {name: time_of(method, name in profile) for name, method in methods.items()}
+    for name, t in [("DynamicCache", dynamic), *timed.items()]:
+        if t.profile:
+            where = f"{layout}, batch {batch}, {context} tokens"
+            print(f"\n{name}, {where}: one step's operators by host time\n{t.profile}")
     base = timed["fp16"].seconds if "fp16" in timed else None
     rows = [{"method": "DynamicCache", "backend": "torch", "ms": dynamic.seconds * 1e3, "x dyn": 1.0}]
     rows[0]["ops/layer"] = f"{dynamic.ops_per_layer:.1f}"
@@ -128,7 +139,8 @@ def measure(layout: str, batch: int, context: int, methods: dict, args, device: 
             row["x fp16"] = t.seconds / base
         if family in floors:
             row["x floor"] = t.seconds / floors[family]
-        rows.append(row | {"bits": t.bits_read, "ops/layer": f"{t.ops_per_layer:.1f}"})
+        launches = "" if t.launches_per_layer is None else f"{t.launches_per_layer:.1f}"
+        rows.append(row | {"bits": t.bits_read, "ops/layer": f"{t.ops_per_layer:.1f}", "kernels/layer": launches})
     return [{"layout": layout, "batch": batch, "context": context} | row for row in rows]
 
 
@@ -145,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-seconds", type=float, default=0.0, help="stop starting new cells after this")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    parser.add_argument(
+        "--profile", default="", help="methods (as in --methods, or DynamicCache) whose extra step is profiled"
+    )
     args = parser.parse_args(argv)
 
     from kvquant.analysis.timing import LAYOUTS

@@ -20,8 +20,10 @@
 # 32K (scripts/bench_kernels.py); the same at 4K and 32K as CUDA-graph replays (device time, no host work);
 # and whole decode steps on a random-weight Llama-2-7B layout at 4K and 32K,
 # each cache against DynamicCache (each named with its backend, `kivi2@torch` beside `kivi2@cupy`: `auto` picks
-# CuPy for some formats), and AQUA-KV's (random predictors) on a Llama-3.1-8B layout at 4K against
-# DynamicCache and its floor (scripts/bench_step.py).
+# CuPy for some formats) with the torch operators and CuPy launches a step makes per layer, and one step of
+# DynamicCache, fp16, kivi2@cupy and alignedkv_block@cupy under torch.profiler (operators by host time, in
+# step.log), and AQUA-KV's (random predictors) on a Llama-3.1-8B layout at 4K against DynamicCache and its
+# floor (scripts/bench_step.py).
 #
 # Fails closed. Exit 0 only when every module compiled, every gpu-marked test ran and passed (none skipped,
 # at least one collected) and the four benchmark runs exited 0; 2 when CuPy or the GPU is unusable (one
@@ -117,7 +119,7 @@ timeout 30 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,327
 graph_status=${PIPESTATUS[0]}
 timeout 100 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 70 \
   --methods fp16,kivi2@torch,kivi2@cupy,kivi4@cupy,gear2@torch,gear2@cupy,higgs_post_rope@cupy,alignedkv_block@torch,alignedkv_block@cupy \
-  --out "$OUT_DIR/step.md" 2>&1 | tee "$OUT_DIR/step.log"
+  --profile DynamicCache,fp16,kivi2@cupy,alignedkv_block@cupy --out "$OUT_DIR/step.md" 2>&1 | tee "$OUT_DIR/step.log"
 step_status=${PIPESTATUS[0]}
 timeout 40 "$PY" scripts/bench_step.py --layout llama3.1_8b --contexts 4096 --repeats 3 --max-seconds 15 \
   --methods fp16,aquakv@torch,aquakv@cupy --out "$OUT_DIR/aquakv.md" 2>&1 | tee "$OUT_DIR/aquakv.log"

@@ -49,3 +49,16 @@ def test_bad_names_exit_2_with_one_line(capsys, args, message):
     assert load_script().main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_a_profiled_method_prints_one_steps_operators_and_rows_count_them(capsys):
+    """``--profile``: one more step of the named methods under torch.profiler, printed after the cell; every
+    row counts the torch operators a step dispatched per layer (``kernels/layer`` blank: no CuPy here)."""
+    args = ["--layout", "stories260k", "--contexts", "64", "--layers", "2", "--repeats", "1"]
+    assert load_script().main([*args, "--methods", "fp16@torch", "--profile", "DynamicCache,fp16@torch"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("one step's operators by host time") == 2 and "Self CPU" in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if "| stories260k |" in line]
+    ops = {r[3]: float(r[10]) for r in rows}
+    assert set(ops) == {"DynamicCache", "fp16@torch"} and 0 < ops["DynamicCache"] < ops["fp16@torch"]
+    assert all(r[11] == "" for r in rows)

@@ -1058,3 +1058,13 @@ def test_decode_step_replays_in_a_cuda_graph(value_rule, qk_kernel, sv_read, mon
             assert torch.equal(got_wv, want_wv)
     first, _ = step(q.cuda())
     assert not torch.equal(first, got)  # the replay followed the new query
+
+
+def test_a_step_counts_the_backends_own_launches_where_it_keeps_a_count():
+    """``model_step_time`` reads CuPy's launch count around its counted step (bench_step's ``kernels/layer``);
+    the torch reference and the C++ kernels keep none (their column stays blank)."""
+    from kernels_cupy import loader
+    from kvquant.analysis.timing import launch_counter
+
+    assert launch_counter("cupy") is loader.launch_count and isinstance(loader.launch_count(), int)
+    assert launch_counter("torch") is None and launch_counter("cpu") is None

@@ -26,6 +26,7 @@ import functools
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,8 @@ class StepTime:
     bytes_read: float
     backend: str
     ops_per_layer: float | None = None
+    launches_per_layer: float | None = None  # a kernel backend's own launches, where it counts them (CuPy)
+    profile: str | None = None  # one more step under torch.profiler (``model_step_time(profile=True)``)
 
 
 class OpCounter(TorchDispatchMode):
@@ -276,10 +279,12 @@ def model_step_time(
     device: str = "cpu",
     batch: int = 1,
     layers: int = 0,
+    profile: bool = False,
 ) -> StepTime:
     """One whole decode step (one token per sequence through every layer) at ``context`` tokens, on a
     random-weight model of ``layout`` with ``method``'s cache (None: ``DynamicCache``); ``bits_read`` and
-    ``bytes_read`` over every layer's K/V. The synthetic history is drawn on ``device`` (so its numbers
+    ``bytes_read`` over every layer's K/V; ``profile``: one more step under ``torch.profiler``, its operators
+    by host time (where a batch-1 step on a GPU spends it). The synthetic history is drawn on ``device`` (so its numbers
     differ between a CPU and a GPU; timing does not depend on them)."""
     from transformers import DynamicCache
 
@@ -317,10 +322,39 @@ def model_step_time(
             else:  # every K and V element, at the model's width
                 n = 2 * sum(layer.keys.numel() for layer in cache.layers)
                 bits, elements = bits + 8.0 * dtype.itemsize * n, elements + n
+        backend = getattr(cache, "backend", None) or "torch"
+        count = launch_counter(backend)
         position = torch.full((batch, 1), fill + warmup + repeats, device=device)
+        launched = count() if count else 0
         with OpCounter() as counter:  # one more step, untimed: what it dispatched
             model(input_ids=ids[-1], past_key_values=cache, position_ids=position, use_cache=True)
         _sync(device)
-    backend = getattr(cache, "backend", None) or "torch"
-    ops = counter.total / model.config.num_hidden_layers
-    return StepTime(statistics.median(times), bits / max(elements, 1), bits / 8 / repeats, backend, ops)
+        table = None
+        if profile:
+            position = position + 1
+            kwargs = {"input_ids": ids[-1], "past_key_values": cache, "position_ids": position, "use_cache": True}
+            table = profiled(lambda: model(**kwargs), device)
+    layers = model.config.num_hidden_layers
+    launches = (count() - launched) / layers if count else None
+    seconds, bits_read = statistics.median(times), bits / max(elements, 1)
+    return StepTime(seconds, bits_read, bits / 8 / repeats, backend, counter.total / layers, launches, table)
+
+
+def profiled(step: Callable[[], Any], device: str, rows: int = 15) -> str:
+    """``step()`` under ``torch.profiler`` (CUDA activity too on a GPU): its operators by host time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def launch_counter(backend: str) -> Callable[[], int] | None:
+    """The kernel backend's count of its own launches (``launch_count``, where it keeps one), else None."""
+    from kvquant.backends import get_backend
+
+    found = get_backend(backend) if backend != "torch" else None
+    return found.kernel("launch_count") if found is not None else None
