@@ -260,7 +260,7 @@ def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kernel_arg(t), n
 
 
-def _quant_rows(q: Any, per_token_scale: bool) -> tuple[tuple[torch.Tensor, ...], int, int]:
+def quant_rows(q: Any, per_token_scale: bool) -> tuple[tuple[torch.Tensor, ...], int, int]:
     """``((codes, scale, zero), code rows, scale rows)`` of a stream's coded part (values: scales per token share
     the codes' row stride, so where the two differ both are made contiguous)."""
     (codes, rows), (scale, groups), (zero, zgroups) = (rows_of(t) for t in (q.codes, q.scale, q.zero))
@@ -274,7 +274,7 @@ def _stream_args(stream: Any, d: int, gear: _GearArgs | None) -> tuple:
     codes = scale = zero = None
     rows = groups = 0
     if q is not None:
-        (codes, scale, zero), rows, groups = _quant_rows(q, q.axis == 3)
+        (codes, scale, zero), rows, groups = quant_rows(q, q.axis == 3)
     window = kernel_arg(stream.window)
     n = stream.store.length
     head = (raw(codes), raw(scale), raw(zero), i32(n), i32(rows), i32(groups), ptr(window), i32(window.shape[2]))

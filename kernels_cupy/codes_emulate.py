@@ -10,6 +10,7 @@ for tests.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from kernels_cupy.codes import (
     mask_view,
     outlier_rows,
     plan,
+    quant_rows,
     query_times_b,
     row_tile,
     segment_bases,
@@ -67,6 +69,13 @@ class _Cursor:
                 return
 
 
+def kernel_view(t: torch.Tensor, bh: int, rows: int) -> torch.Tensor:
+    """``[BH, rows, inner]``: ``t``'s storage read as codes.cu reads a stream's tensor, row ``i`` of ``bh`` at
+    element ``(bh·rows + i)·inner`` from the first (``rows`` a buffer's capacity where the launch passes one)."""
+    inner = math.prod(t.shape[3:])
+    return t.as_strided((bh, rows, inner), (rows * inner, inner, 1))
+
+
 class _Stream:
     """One stream as codes.cu addresses it (flat ``[BH, …]`` views), with GEAR's dense outlier patch."""
 
@@ -74,9 +83,11 @@ class _Stream:
         store, q = stream.store, stream.store.q
         self.n = store.length
         self.window = stream.window.reshape(bh, -1, d).float()
-        self.codes = None if q is None else q.codes.reshape(bh, q.codes.shape[2], -1)
-        self.scale = None if q is None else q.scale.reshape(bh, q.scale.shape[2], -1).float()
-        self.zero = None if q is None else q.zero.reshape(bh, q.zero.shape[2], -1).float()
+        self.codes = self.scale = self.zero = None
+        if q is not None:  # from the tensors' storage, as the launch passes them (quant_rows) and the kernel indexes
+            (codes, scale, zero), rows, groups = quant_rows(q, q.axis == 3)
+            self.codes = kernel_view(codes, bh, rows)
+            self.scale, self.zero = (kernel_view(t, bh, groups).float() for t in (scale, zero))
         self.runs = store.runs if gear else []
         self.patch = self.patched = None
         if gear and store.index is not None:  # patch_outliers: token t's outliers from its row pointers

@@ -435,12 +435,12 @@ def test_a_decoded_kivi_store_is_read_in_place_from_its_buffers():
     """After decode steps KIVI's codes, scales and zeros are views of buffers with room to spare: the kernel's
     arguments are those buffers (no copy of the coded history a step), keys with their own row and group strides,
     values with scales sharing the codes' row stride, and the addressing reads exactly what the store holds."""
-    from kernels_cupy.codes import _quant_rows
+    from kernels_cupy.codes import quant_rows
 
     state = kivi_state(2, 8, 16, 2, 3, 32, [70, *[1] * 25])
     for stream, per_token in ((state.k, False), (state.v, True)):
         store = stream.store
-        (codes, scale, zero), rows, groups = _quant_rows(store.q, per_token)
+        (codes, scale, zero), rows, groups = quant_rows(store.q, per_token)
         assert [t.data_ptr() for t in (codes, scale, zero)] == [r.buffer.data_ptr() for r in store.rows]
         assert rows == store.rows[0].buffer.shape[2] > store.q.codes.shape[2]
         assert groups == store.rows[1].buffer.shape[2] and (groups == rows) == per_token
