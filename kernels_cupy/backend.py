@@ -26,13 +26,13 @@ from kernels_cupy import aquakv, codes, higgs
 from kernels_cupy.aquakv import encode as aquakv_encode
 from kernels_cupy.aquakv import reconstruct as aquakv_reconstruct
 from kernels_cupy.loader import check_device, cupy_status, launch_count
-from kernels_cupy.store import KernelPlaneStore
+from kernels_cupy.store import KernelCodesState, KernelPlaneStore
 from kvquant.backends import Backend, register_backend
 from kvquant.formats.base import Reads, causal_allowed
 
 __all__ = ["ATTEND", "STATES", "aquakv_encode", "aquakv_reconstruct", "attend", "launch_count", "limits"]
 
-STATES = {"planes": KernelPlaneStore}
+STATES = {"planes": KernelPlaneStore, "kivi": KernelCodesState}
 
 
 #: the formats ``backend=auto`` may run here (module docstring)

@@ -479,3 +479,109 @@ extern "C" __global__ void codes_merge(const float* __restrict__ part_acc, const
 CODES_ROWS(2)
 CODES_ROWS(4)
 CODES_ROWS(8)
+
+// ---------------------------------------------------------------------------------------------------------------
+// A KIVI value token's coding, written into its store's buffers in place: kvquant.quant.integer.quantize of a row
+// along channels (groups of G channels, checked=True: every value finite and within fp16's range), in the same
+// fp32 operations, each rounded as torch rounds it (explicit .rn: no contraction into an FMA), so the codes,
+// scales and zeros are torch's. x: fp16 [B, H, t, D] by element strides (xb, xh, xt; channels contiguous);
+// codes [BH, rows, D*BITS/8] and scale/zero fp16 [BH, rows, D/G] from row row0 (rows: the buffers' capacity).
+// Grid (t, BH), one warp: lanes take groups, then whole bytes of the packed row (no two lanes write one byte).
+
+__device__ __forceinline__ unsigned short quant_f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float quant_sub(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float quant_add(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float quant_mul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float quant_div(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float quant_rint(float a) {  // half to even, as torch.round
+    float r;
+    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+// The next fp16 value toward -inf (down) or +inf (up), bit by bit, as torch's nextafter on fp16 (finite input).
+__device__ __forceinline__ unsigned short quant_next_down(unsigned short h) {
+    if ((h & 0x7FFFu) == 0) return 0x8001u;  // +-0 -> -smallest subnormal
+    return (h & 0x8000u) ? (unsigned short)(h + 1) : (unsigned short)(h - 1);
+}
+__device__ __forceinline__ unsigned short quant_next_up(unsigned short h) {
+    if ((h & 0x7FFFu) == 0) return 0x0001u;
+    return (h & 0x8000u) ? (unsigned short)(h - 1) : (unsigned short)(h + 1);
+}
+
+template <int BITS>
+__device__ __forceinline__ void quantize_value_row(const unsigned short* __restrict__ x, long long xb, long long xh,
+                                                   long long xt, int H, unsigned char* __restrict__ codes,
+                                                   unsigned short* __restrict__ scale, unsigned short* __restrict__ zero,
+                                                   int rows, int row0, int D, int G) {
+    constexpr int STEPS = (1 << BITS) - 1;
+    __shared__ unsigned char code[256];
+    const int t = blockIdx.x, bh = blockIdx.y, lane = threadIdx.x;
+    const unsigned short* xr = x + (long long)(bh / H) * xb + (long long)(bh % H) * xh + (long long)t * xt;
+    const long long row = (long long)bh * rows + row0 + t;
+    const int groups = D / G;
+    for (int gi = lane; gi < groups; gi += 32) {
+        float lo = __int_as_float(0x7f800000), hi = CODES_NEG_INF;
+        for (int c = gi * G; c < (gi + 1) * G; ++c) {
+            const float v = codes_h2f(xr[c]);
+            lo = fminf(lo, v);
+            hi = fmaxf(hi, v);
+        }
+        // _outward_fp16: zero = lo rounded down to fp16, scale = (hi - zero) / STEPS rounded up
+        unsigned short zb = quant_f2h(lo);
+        if (codes_h2f(zb) > lo) zb = quant_next_down(zb);
+        const float zf = codes_h2f(zb);
+        unsigned short sb = quant_f2h(quant_div(quant_sub(hi, zf), (float)STEPS));
+        if (quant_add(zf, quant_mul((float)STEPS, codes_h2f(sb))) < hi) sb = quant_next_up(sb);
+        const float sf = codes_h2f(sb);
+        scale[row * groups + gi] = sb;
+        zero[row * groups + gi] = zb;
+        const float div = sf == 0.0f ? 1.0f : sf;
+        for (int c = gi * G; c < (gi + 1) * G; ++c) {
+            const float q = quant_rint(quant_div(quant_sub(codes_h2f(xr[c]), zf), div));
+            code[c] = (unsigned char)fminf(fmaxf(q, 0.0f), (float)STEPS);
+        }
+    }
+    __syncwarp();
+    constexpr int PER = 8 / BITS;
+    const int bytes = (D * BITS + 7) / 8;
+    for (int j = lane; j < bytes; j += 32) {
+        unsigned int v = 0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int c = j * PER + i;
+            if (c < D) v |= (unsigned int)code[c] << (BITS * i);
+        }
+        codes[row * bytes + j] = (unsigned char)v;
+    }
+}
+
+#define QUANTIZE_VALUES(BITS)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32) quantize_values_b##BITS(                                         \
+        const unsigned short* x, long long xb, long long xh, long long xt, int H, unsigned char* codes,               \
+        unsigned short* scale, unsigned short* zero, int rows, int row0, int D, int G) {                              \
+        quantize_value_row<BITS>(x, xb, xh, xt, H, codes, scale, zero, rows, row0, D, G);                            \
+    }
+
+QUANTIZE_VALUES(2)
+QUANTIZE_VALUES(4)
+QUANTIZE_VALUES(8)

@@ -24,6 +24,9 @@ from kernels_cupy.loader import i32, launch, ptr, sm_count
 from kvquant.formats.base import Reads
 
 SOURCE = "codes.cu"
+#: KIVI's value coding by ``quantize_values`` (``store.KernelQuantStore``): opt-in until a GPU run validates it
+#: (tests/test_kernels_cupy_codes.py compares it with ``kvquant.quant.integer.quantize`` bit for bit)
+QUANTIZE_KERNEL = False
 THREADS = 128  # codes.cu CODES_THREADS
 WARPS = THREADS // 32
 CHANNELS_PER_LANE = 8

@@ -543,3 +543,116 @@ def test_a_prompt_takes_the_torch_reference():
     assert torch.equal(got, codes_format.attend(state, None, query, None, 32**-0.5)[0]) and reads.v_widths is None
     with pytest.raises(ValueError, match="CUDA"):
         attend_codes(state, None, query[:, :, :1], None, 32**-0.5)
+
+
+def quantize_signature() -> list[tuple[str, str]]:
+    """``(type, name)`` of each parameter of ``quantize_values_b*`` (codes.cu's ``QUANTIZE_VALUES``)."""
+    text = (Path(codes_module.__file__).parent / "codes.cu").read_text().replace("\\\n", "\n")
+    start = text.index("quantize_values_b##BITS(", text.index("#define QUANTIZE_VALUES")) + len(
+        "quantize_values_b##BITS("
+    )
+    out = []
+    for param in (" ".join(x.split()) for x in text[start : text.index(")", start)].split(",")):
+        kind, name = param.replace("*", "* ").rsplit(" ", 1)
+        out.append(("ptr" if "*" in kind else kind.replace("const ", "").strip(), name))
+    return out
+
+
+def value_tokens(b, h, n, d, seed, window=True):
+    """fp16 value tokens with the rows a coder meets: constant groups, zeros, fp16's extremes, subnormals;
+    ``window``: as a view of a longer window (strided tokens, as ``Stream`` hands them)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, h, n + 3 if window else n, d, generator=gen) * torch.logspace(-6, 4, d)[torch.randperm(d)]
+    x[:, :, 0, : d // 2] = 1.5  # a constant group (scale 0)
+    x[:, :, -1, :4] = torch.tensor([65504.0, -65504.0, 6e-8, 0.0])
+    x = x.clamp(-65504, 65504).half()
+    return x[:, :, :n] if window else x
+
+
+@pytest.mark.parametrize(("bits", "group"), [(2, 32), (4, 8), (8, 16), (2, 1), (4, 3)])
+def test_quantize_launch_codes_what_quantize_codes_into_the_buffers(bits, group, monkeypatch):
+    """``KernelQuantStore``'s launch, its arguments checked against ``QUANTIZE_VALUES``' signature and carried
+    out on the CPU by the kernel's own addressing (the row from ``row0`` at the capacity stride, the token from
+    the strides given): the store then holds what ``QuantStore`` holds, token by token, through regrowths."""
+    from kernels_cupy import store as store_module
+    from kvquant.quant.integer import quantize
+
+    monkeypatch.setattr(codes_module, "QUANTIZE_KERNEL", True)
+    monkeypatch.setattr(codes_module, "raw", lambda t: np.uint64(0 if t is None else t.data_ptr()))
+    monkeypatch.setattr(store_module.KernelQuantStore, "kernel_takes", lambda self, x: True)
+    b, h, d = 2, 3, 96
+    kernel, plain = store_module.KernelQuantStore(bits, CHANNEL_AXIS, group), QuantStore(bits, CHANNEL_AXIS, group)
+    params = quantize_signature()
+    calls = []
+
+    def launch(source, name, grid, block, args, shared_mem=0):
+        assert (source, name, block) == ("codes.cu", f"quantize_values_b{bits}", 32)
+        assert [KERNEL_ARG_KINDS[type(x)] for x in args] == [kind for kind, _ in params]
+        a = {param: int(x) for (_, param), x in zip(params, args, strict=True)}
+        (t, bh), groups, nbytes = grid, d // group, (d * bits + 7) // 8
+        assert bh == b * h and a["H"] == h and (a["D"], a["G"]) == (d, group) and a["x"] == x.data_ptr()
+        buffers = [rows.buffer for rows in kernel.rows]
+        assert [a["codes"], a["scale"], a["zero"]] == [buf.data_ptr() for buf in buffers]
+        assert a["rows"] == buffers[0].shape[2] and a["row0"] == kernel.rows[0].rows - t
+        flat_x = x.as_strided((x.untyped_storage().nbytes() // 2 - x.storage_offset(),), (1,))
+        for i in range(bh):
+            for j in range(t):
+                at = (i // h) * a["xb"] + (i % h) * a["xh"] + j * a["xt"]
+                q = quantize(flat_x[at : at + d].reshape(1, 1, 1, d), bits, CHANNEL_AXIS, group, checked=True)
+                row = i * a["rows"] + a["row0"] + j
+                for buf, part, inner in zip(buffers, q.tensors(), (nbytes, groups, groups), strict=True):
+                    buf.as_strided((buf.numel(),), (1,))[row * inner : (row + 1) * inner] = part.reshape(-1)
+        calls.append(grid)
+
+    monkeypatch.setattr(store_module, "launch", launch)
+    for step, n in enumerate([5, *[1] * 70, 3]):
+        x = value_tokens(b, h, n, d, seed=step)
+        kernel.add(x, decode=n == 1)
+        plain.add(x, decode=n == 1)
+        for got, want in zip(kernel.q.tensors(), plain.q.tensors(), strict=True):
+            assert torch.equal(got, want)
+    assert len(calls) == 72 and kernel.rows[0].buffer.data_ptr() != 0 and kernel.length == plain.length == 78
+
+
+def test_the_kernel_state_codes_values_by_the_kernel_store_and_keys_as_before():
+    """``Backend.new_state`` on CuPy gives KIVI a ``KernelCodesState`` (``backend.STATES``): its value store is a
+    ``KernelQuantStore``, which on tensors the kernel does not take (here the CPU's) codes as ``QuantStore``."""
+    from kernels_cupy.backend import STATES
+    from kernels_cupy.store import KernelCodesState, KernelQuantStore
+
+    assert STATES["kivi"] is KernelCodesState
+    keys = Stream(QuantStore(2, TOKEN_AXIS, 8), 16, block=16)
+    values = Stream(QuantStore(2, CHANNEL_AXIS, 8), 16, block=None)
+    state = KernelCodesState(keys, values, 2, 8)
+    assert type(state.v.store) is KernelQuantStore and type(state.k.store) is QuantStore
+    ref = kivi_state(2, 8, 16, 2, 3, 32, [40, *[1] * 10])
+    gen = torch.Generator().manual_seed(0)
+    for n in [40, *[1] * 10]:
+        k, v = torch.randn(2, 3, n, 32, generator=gen), torch.randn(2, 3, n, 32, generator=gen)
+        state.append(k.half().float(), v.half().float(), decode=n == 1)
+    for got, want in zip(state.v.store.q.tensors(), ref.v.store.q.tensors(), strict=True):
+        assert torch.equal(got, want)
+
+
+@gpu_test
+@pytest.mark.parametrize(("bits", "group", "d"), [(2, 32, 128), (4, 32, 128), (8, 16, 64), (2, 8, 64), (4, 1, 8)])
+def test_the_quantize_kernel_codes_bit_for_bit_as_torch(bits, group, d, monkeypatch):
+    """``quantize_values`` on the device against ``kvquant.quant.integer.quantize`` on the same CUDA tokens:
+    the same codes, scales and zeros (constant groups, fp16's extremes, subnormals, strided window views), over
+    decode steps that regrow the buffers."""
+    from kernels_cupy.store import KernelQuantStore
+
+    monkeypatch.setattr(codes_module, "QUANTIZE_KERNEL", True)
+    kernel, plain = KernelQuantStore(bits, CHANNEL_AXIS, group), QuantStore(bits, CHANNEL_AXIS, group)
+    for step, n in enumerate([7, *[1] * 80, 2]):
+        x = value_tokens(2, 4, n, d, seed=step).cuda()
+        kernel.add(x, decode=n == 1)
+        plain.add(x, decode=n == 1)
+    for got, want in zip(kernel.q.tensors(), plain.q.tensors(), strict=True):
+        assert torch.equal(got, want)
+
+
+@gpu_test
+def test_backend_cupy_with_the_quantize_kernel_generates_as_the_torch_backend(monkeypatch):
+    monkeypatch.setattr(codes_module, "QUANTIZE_KERNEL", True)
+    assert_generates_as_torch("kivi2", 1e-6)

@@ -48,20 +48,26 @@ class RowBuffer:
 
     def append(self, x: torch.Tensor) -> torch.Tensor:
         """Write ``x`` after the held rows; returns the held rows (a view)."""
-        d, n, buf = self.dim, x.shape[self.dim], self.buffer
-        other = x.shape[:d] + x.shape[d + 1 :]
+        row0 = self.reserve(tuple(x.shape), x.dtype, x.device)
+        self.buffer.narrow(self.dim, row0, x.shape[self.dim]).copy_(x)
+        return self.held
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
+        """Hold ``shape[dim]`` more rows of ``shape``, regrowing the buffer where they do not fit; returns the first
+        of them, for a kernel to write in place (``append`` copies a tensor there)."""
+        d, n, buf = self.dim, shape[self.dim], self.buffer
+        other = shape[:d] + shape[d + 1 :]
         if buf is not None and buf.shape[:d] + buf.shape[d + 1 :] != other:
-            raise ValueError(f"cannot append rows of shape {tuple(x.shape)} to rows of {tuple(buf.shape)}")
-        if buf is None or self.rows + n > buf.shape[d] or (buf.dtype, buf.device) != (x.dtype, x.device):
+            raise ValueError(f"cannot append rows of shape {shape} to rows of {tuple(buf.shape)}")
+        if buf is None or self.rows + n > buf.shape[d] or (buf.dtype, buf.device) != (dtype, torch.device(device)):
             room = max(self.block, 2 * n)  # appends of whole blocks (KIVI's key flushes) fit twice before the next
             capacity = -(-(self.rows + n + room) // self.block) * self.block
-            new = torch.empty(*x.shape[:d], capacity, *x.shape[d + 1 :], dtype=x.dtype, device=x.device)
+            new = torch.empty(*shape[:d], capacity, *shape[d + 1 :], dtype=dtype, device=device)
             if self.rows:
                 new.narrow(d, 0, self.rows).copy_(buf.narrow(d, 0, self.rows))
             self.buffer = new
-        self.buffer.narrow(d, self.rows, n).copy_(x)
-        self.rows += n
-        return self.held
+        row0, self.rows = self.rows, self.rows + n
+        return row0
 
     def reset(self, t: torch.Tensor | None) -> None:
         """Hold exactly ``t`` (after a drop or a batch map made new tensors): the next append regrows."""

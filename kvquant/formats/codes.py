@@ -37,13 +37,22 @@ class QuantStore:
         self.rows = (RowBuffer(self.BLOCK), RowBuffer(meta_block), RowBuffer(meta_block))
 
     def add(self, x: torch.Tensor, decode: bool) -> None:
+        self.check_whole_groups()
+        new = quantize(x, self.bits, self.axis, self.group_size, checked=True)  # the layer's check_storable
+        for rows, t in zip(self.rows, new.tensors(), strict=True):
+            rows.append(t)
+        self.grown(x.shape)
+
+    def check_whole_groups(self) -> None:
         if self.length % self.unit:
             raise ValueError(f"only whole groups ({self.unit}) can be coded before more tokens ({self.length} held)")
-        new = quantize(x, self.bits, self.axis, self.group_size, checked=True)  # the layer's check_storable
-        codes, scale, zero = (rows.append(t) for rows, t in zip(self.rows, new.tensors(), strict=True))
-        self.length += x.shape[TOKEN_AXIS]
-        shape = (*new.shape[:TOKEN_AXIS], self.length, *new.shape[TOKEN_AXIS + 1 :])
-        self.q = replace(new, codes=codes, scale=scale, zero=zero, shape=shape)
+
+    def grown(self, shape: tuple[int, ...]) -> None:
+        """The buffers took the codes of ``shape[2]`` more tokens (of ``shape``): ``q`` views them all."""
+        self.length += shape[TOKEN_AXIS]
+        codes, scale, zero = (rows.held for rows in self.rows)
+        held = (*shape[:TOKEN_AXIS], self.length, *shape[TOKEN_AXIS + 1 :])
+        self.q = QuantizedTensor(codes, scale, zero, self.bits, self.axis, self.group_size, tuple(held))
 
     def _hold(self, q: QuantizedTensor | None) -> None:
         """``q``'s tensors become the buffers (a drop or a batch map made new ones)."""

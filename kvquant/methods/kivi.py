@@ -51,7 +51,7 @@ class KiviLayer(WindowedLayer):
         bits, residual, g = self.params.bits, self.params.residual, self.group_size
         keys = Stream(QuantStore(bits, TOKEN_AXIS, g), residual, block=residual)
         values = Stream(QuantStore(bits, CHANNEL_AXIS, g), residual, block=None)
-        return CodesState(keys, values, bits, g)
+        return self.backend.new_state(CodesState, keys, values, bits, g)  # the backend's own, where it keeps one
 
 
 def kivi_fp16_tokens(context: int, residual: int) -> tuple[int, int]:
