@@ -150,7 +150,8 @@ def test_codes_cu_compiles_for_sm90_without_warnings_or_spills():
     compiled = nvcc_compile("codes.cu", "sm_90")
     assert not compiled.warnings(), compiled.log
     names = {f"codes_{fmt}_b{bits}_r{rt}" for fmt, tiles in ROW_TILES.items() for rt in tiles for bits in (2, 4, 8)}
-    assert set(compiled.entries()) == names | {"codes_merge"}
+    quantize = {f"quantize_values_b{bits}" for bits in (2, 4, 8)}
+    assert set(compiled.entries()) == names | quantize | {"codes_merge"}
     frames = compiled.frames()
     assert len(frames) == len(compiled.entries()) and all(f == (0, 0, 0) for f in frames), compiled.log
 
