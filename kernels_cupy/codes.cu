@@ -493,26 +493,17 @@ __device__ __forceinline__ unsigned short quant_f2h(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
-__device__ __forceinline__ float quant_sub(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float quant_add(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float quant_mul(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float quant_div(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+// fp32 operations rounded to nearest, never contracted into an FMA and keeping subnormals whatever -ftz says.
+#define QUANT_RN(NAME, OP)                                                  \
+    __device__ __forceinline__ float NAME(float a, float b) {               \
+        float r;                                                            \
+        asm(OP " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                  \
+        return r;                                                           \
+    }
+QUANT_RN(quant_sub, "sub.rn.f32")
+QUANT_RN(quant_add, "add.rn.f32")
+QUANT_RN(quant_mul, "mul.rn.f32")
+QUANT_RN(quant_div, "div.rn.f32")
 __device__ __forceinline__ float quant_rint(float a) {  // half to even, as torch.round
     float r;
     asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a));
