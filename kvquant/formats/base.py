@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -73,6 +73,15 @@ class RowBuffer:
         """Hold exactly ``t`` (after a drop or a batch map made new tensors): the next append regrows."""
         self.buffer = None if t is None else t.contiguous()
         self.rows = 0 if t is None else t.shape[self.dim]
+
+
+def hold(rows: Sequence[RowBuffer], tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each buffer holds its tensor (made new by a drop or a batch map; one it already holds, as a map that
+    changed nothing returns, stays where it is); returns the held views, in order."""
+    for buffer, t in zip(rows, tensors, strict=True):
+        if not buffer.holds(t):
+            buffer.reset(t)
+    return [buffer.held for buffer in rows]
 
 
 def whole_bit_widths(n_compressed: int, compressed_bits: int, n_fp16: int) -> dict[int, int]:

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from kvquant.formats.base import FormatState, Reads, RowBuffer, attention
+from kvquant.formats.base import FormatState, Reads, RowBuffer, attention, hold
 from kvquant.formats.window import TOKEN_AXIS, Stream
 from kvquant.quant.integer import QuantizedTensor, dequantize, drop_leading, quantize
 
@@ -56,12 +56,8 @@ class QuantStore:
 
     def _hold(self, q: QuantizedTensor | None) -> None:
         """``q``'s tensors become the buffers (a drop or a batch map made new ones)."""
-        self.q = q
-        for rows, t in zip(self.rows, q.tensors() if q is not None else (None,) * 3, strict=True):
-            if not rows.holds(t):  # a map that changed nothing (a prefetch on the same device) keeps the buffers
-                rows.reset(t)
-        if q is not None:
-            self.q = replace(q, codes=self.rows[0].held, scale=self.rows[1].held, zero=self.rows[2].held)
+        codes, scale, zero = hold(self.rows, q.tensors() if q is not None else (None,) * 3)
+        self.q = None if q is None else replace(q, codes=codes, scale=scale, zero=zero)
 
     def drop(self, n: int) -> int:
         m = min(n, self.length) // self.unit * self.unit

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvquant.formats.base import FormatState, Reads, RowBuffer, attention
+from kvquant.formats.base import FormatState, Reads, RowBuffer, attention, hold
 from kvquant.formats.window import Window
 from kvquant.quant.higgs import Higgs, HiggsTensor
 from kvquant.quant.rope import apply_rope
@@ -88,15 +88,10 @@ class HiggsState(FormatState):
     def set_codes(self, qk: HiggsTensor | None, qv: HiggsTensor | None) -> None:
         """Hold ``qk``/``qv`` in place of the codes (a drop of the oldest rows, a batch map): they become the
         buffers, so nothing held before lingers and the next ``add_codes`` grows them."""
-        held = (*qk.tensors(), *qv.tensors()) if qk is not None else (None,) * 4
-        for rows, t in zip(self.code_rows, held, strict=True):
-            if not rows.holds(t):
-                rows.reset(t)
-        if qk is None:
-            self.qk = self.qv = None
-        else:
-            k_codes, k_scales, v_codes, v_scales = (rows.held for rows in self.code_rows)
-            self.qk, self.qv = HiggsTensor(k_codes, k_scales), HiggsTensor(v_codes, v_scales)
+        held = hold(self.code_rows, (*qk.tensors(), *qv.tensors()) if qk is not None else (None,) * 4)
+        k_codes, k_scales, v_codes, v_scales = held
+        self.qk = None if qk is None else HiggsTensor(k_codes, k_scales)
+        self.qv = None if qk is None else HiggsTensor(v_codes, v_scales)
 
     def tensors_k(self) -> list[torch.Tensor | None]:
         return [*self.k_win.tensors(), *(self.qk.tensors() if self.qk else [])]
