@@ -140,7 +140,8 @@ def append(store: PlaneStore, k: torch.Tensor, v: torch.Tensor, checked: bool = 
             planes["k_exp"] = torch.empty(b, h, n_blk, d, **u8)
         if store.value_block:
             planes["v_exp"] = torch.empty(b, h, full // store.value_block, d, **u8)
-    flags = torch.zeros(2, dtype=torch.int32, device=k.device)
+    # the kernel flags tiny high bytes only in whole blocks: with none this append, no flags (nor their memset)
+    flags = torch.zeros(2, dtype=torch.int32, device=k.device) if n_blk else None
     if n:
         names = ("k_a", "k_b", "k_c", "v_a", "v_b", "v_c", "k_exp", "v_exp")
         args = (ptr(chunk_k), ptr(chunk_v), i32(n), i32(full), i32(d), *(ptr(planes.get(x)) for x in names))

@@ -39,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) pack_kv(
     unsigned char* __restrict__ v_exp,      // [BH, cap_blk * 64 / value_block, D], or null
     unsigned short* __restrict__ k_absmax,  // [BH, D] fp16 bits, updated in place
     int cap_blk, int blk0, int value_block,
-    int* __restrict__ flags)                // [2]: a high byte reads as +-0 in K, in V
+    int* __restrict__ flags)                // [2]: a high byte reads as +-0 in K, in V (null: no whole block)
 {
     extern __shared__ unsigned short tile[];  // [D][TILE_STRIDE]
     const int bh = blockIdx.y;

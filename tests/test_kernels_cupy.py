@@ -1068,3 +1068,20 @@ def test_a_step_counts_the_backends_own_launches_where_it_keeps_a_count():
 
     assert launch_counter("cupy") is loader.launch_count and isinstance(loader.launch_count(), int)
     assert launch_counter("torch") is None and launch_counter("cpu") is None
+
+
+def test_an_append_without_a_whole_block_passes_no_flags(monkeypatch):
+    """``pack_kv`` flags tiny high bytes only in whole blocks, so a decode append that completes none passes a
+    null pointer and allocates (on a GPU: memsets) nothing for them; the one that completes a block does."""
+    from kernels_cupy import ops
+    from kernels_cupy.store import KernelPlaneStore
+
+    calls = []
+    monkeypatch.setattr(ops, "ptr", lambda t: np.uint64(0 if t is None else t.data_ptr()))  # CPU tensors
+    monkeypatch.setattr(ops, "check_device", lambda t: None)
+    monkeypatch.setattr(ops, "launch", lambda *args, **kw: calls.append(args[4]))
+    store = KernelPlaneStore()
+    k = torch.randn(1, 2, 64, 8).half()
+    for n in (62, 1, 1):  # 62 + 1 stays a tail; the third append completes the first block
+        ops.append(store, k[:, :, :n].contiguous(), k[:, :, :n].contiguous(), checked=True)
+    assert [int(args[-1]) == 0 for args in calls] == [True, True, False]
