@@ -28,7 +28,7 @@ class KernelPlaneStore(PlaneStore):
 
 class KernelQuantStore(QuantStore):
     """KIVI's value store whose coding of fp16 CUDA tokens is one ``quantize_values`` launch writing into the
-    buffers in place (``kvquant.quant.integer.quantize``'s ~27 torch operators otherwise), the same codes,
+    buffers in place (``kvquant.quant.integer.quantize``'s 28 torch operators otherwise), the same codes,
     scales and zeros, where ``codes.QUANTIZE_KERNEL`` is on; else, and for anything else, ``QuantStore.add``."""
 
     def kernel_takes(self, x: torch.Tensor) -> bool:

@@ -205,3 +205,14 @@ def test_dropping_part_of_a_group_is_refused():
     q = quantize(torch.randn(1, 1, 8, 4), 2, 2, 4)
     with pytest.raises(ValueError, match="whole groups"):
         drop_leading(q, 2, 3)
+
+
+def test_coding_one_value_token_dispatches_28_torch_operators():
+    """A KIVI decode step codes the value leaving its fp16 window: on a GPU each operator is a launch, so the
+    count is held (37 before ``aminmax``, the cached constants and the multiply-sum packing; the same codes)."""
+    from kvquant.analysis.timing import OpCounter
+
+    x = torch.randn(1, 3, 1, 64).half()
+    with OpCounter() as counter:
+        quantize(x, 2, -1, 32, checked=True)
+    assert counter.total == 28, counter.counts
