@@ -45,12 +45,25 @@ def _readers() -> dict[int, tuple[weakref.ref, Any]]:
     return _ROUTE.readers
 
 
+_NAN: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _nan(dtype: torch.dtype, device) -> torch.Tensor:
+    """One 0-d NaN per dtype and device, made once: placeholders are views of it, so a layer's update hands
+    attention its placeholders without a launch (two ``torch.full`` a layer and step on a GPU before)."""
+    key = (dtype, torch.device(device))
+    if key not in _NAN:
+        _NAN[key] = torch.full((), float("nan"), dtype=dtype, device=device)
+    return _NAN[key]
+
+
 def expect_attention(reader: Any, shape: tuple[int, ...], dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
     """Placeholder ``(keys, values)`` of ``shape`` for ``update`` to return, with ``reader`` registered as
     what attention over that key reads (``reader.attend(module, query, mask, **kwargs)``). The entry
-    goes when attention takes it or when the placeholder is freed unused."""
-    key = torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
-    value = torch.full((), float("nan"), dtype=dtype, device=device).expand(shape)
+    goes when attention takes it or when the placeholder is freed unused. Both are expanded views of one
+    NaN (``_nan``): nothing reads them but the routing, by the key object's identity."""
+    key = _nan(dtype, device).expand(shape)
+    value = _nan(dtype, device).expand(shape)
     readers, ident = _readers(), id(key)
 
     def gone(ref: weakref.ref) -> None:

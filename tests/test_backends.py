@@ -113,3 +113,19 @@ def test_auto_passes_over_an_opt_in_format_with_one_line(capsys, monkeypatch):
     if not cupy.status()[0]:
         assert select_backend("auto", "cuda", "planes") == "torch"
         assert "backend=auto uses torch for 'planes' on cuda: cupy kernels unusable" in capsys.readouterr().err
+
+
+def test_placeholders_route_by_identity_and_cost_no_operator():
+    """``expect_attention``'s placeholders are views of one cached NaN per dtype and device: after the first,
+    handing them out dispatches no torch operator (on a GPU: no launch a layer and step), and each key still
+    routes to its own reader, once."""
+    from kvquant.analysis.timing import OpCounter
+    from kvquant.attention import expect_attention, take_reader
+
+    expect_attention("warm", (1, 2, 3, 4), torch.float16, "cpu")
+    with OpCounter() as counter:
+        k1, v1 = expect_attention("first", (1, 2, 3, 4), torch.float16, "cpu")
+        k2, _ = expect_attention("second", (2, 1, 5, 4), torch.float16, "cpu")
+    assert counter.total == 0 and k1.shape == v1.shape == (1, 2, 3, 4) and bool(k1.isnan().all())
+    assert take_reader(k2) == "second" and take_reader(k1) == "first" and take_reader(k1) is None
+    assert take_reader(torch.full((1, 2, 3, 4), float("nan"))) is None
