@@ -50,17 +50,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     _check_bits(bits)
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
-    per = 8 // bits
-    if per == 1:
+    if bits == 8:
         return codes.contiguous()
-    n = codes.shape[-1]
-    if n % per:
-        codes = torch.nn.functional.pad(codes, (0, per - n % per))
-    c = codes.reshape(*codes.shape[:-1], -1, per)
-    out = c[..., 0].clone()
-    for i in range(1, per):
-        out |= c[..., i] << (bits * i)
-    return out
+    return _pack_codes(codes.float(), bits)  # the packing ``quantize`` does (codes < 256 are exact in fp32)
 
 
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
