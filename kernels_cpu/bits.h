@@ -269,6 +269,47 @@ template <int WB, bool TINY = true>
   return {_mm256_cvtph_ps(_mm_unpacklo_epi8(low, av)), _mm256_cvtph_ps(_mm_unpackhi_epi8(low, av))};
 }
 
+// 32 consecutive elements of the planes at WB bits (a: 32 bytes of plane A; b, c: 16 bytes of B and C
+// nibbles) as out[0] = elements 0-15, out[1] = 16-31. Why 256-bit ops: Zen 2 and later run them at full
+// width, and each nibble plane then costs one broadcast load, one in-lane byte shuffle (byte j to the bytes
+// of elements 2j and 2j+1), a shift, a blend and a mask for 32 elements, where planes16 spends five
+// 128-bit ops on 16. The unpacks interleave within 128-bit lanes, so lane 0 of the unpacked words holds
+// elements 0-7 (8-15), lane 1 16-23 (24-31): converting lane by lane gives element order back for free.
+template <int WB, bool TINY = true>
+[[gnu::always_inline]] inline void planes32(const uint8_t* a, const uint8_t* b, const uint8_t* c, vf* out) {
+  const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i low;
+  auto spread = [](const uint8_t* p) {  // nibble byte j (elements 2j, 2j+1) into both bytes of word j
+    const __m256i dup = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,  //
+                                         8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), dup);
+  };
+  const __m256i even = _mm256_set1_epi16(0x00ff);  // the bytes of even elements
+  __m256i bn = zero;
+  if constexpr (WB > 8) {  // B into each byte's high half: the even element's low nibble shifted up
+    const __m256i x = spread(b);
+    bn = _mm256_and_si256(_mm256_blendv_epi8(x, _mm256_slli_epi16(x, 4), even), _mm256_set1_epi8(char(0xf0)));
+  }
+  if constexpr (WB == 16) {  // C into the low half: the odd element's high nibble shifted down
+    const __m256i x = spread(c);
+    low = _mm256_or_si256(bn, _mm256_and_si256(_mm256_blendv_epi8(_mm256_srli_epi16(x, 4), x, even), _mm256_set1_epi8(0x0f)));
+  } else {
+    low = _mm256_or_si256(bn, _mm256_set1_epi8(WB == 8 ? char(0x80) : char(0x08)));
+    if constexpr (TINY) {  // kept bits +-0: plane A's magnitude bits and the B nibble all 0
+      const __m256i kept = _mm256_or_si256(_mm256_and_si256(av, _mm256_set1_epi8(0x7f)), bn);
+      low = _mm256_andnot_si256(_mm256_cmpeq_epi8(kept, zero), low);
+    }
+  }
+  const __m256i w0 = _mm256_unpacklo_epi8(low, av), w1 = _mm256_unpackhi_epi8(low, av);
+  out[0] = {_mm256_cvtph_ps(_mm256_castsi256_si128(w0)), _mm256_cvtph_ps(_mm256_castsi256_si128(w1))};
+  out[1] = {_mm256_cvtph_ps(_mm256_extracti128_si256(w0, 1)), _mm256_cvtph_ps(_mm256_extracti128_si256(w1, 1))};
+}
+
+// AVX2's block readers (planes32, planes16) give elements in order: there is no planes64 order to undo.
+inline void order64(vf*) {}
+inline void unorder64(float*) {}
+
 #else
 
 // The fp16 patterns are put together per element, then converted 16 at a time (F16C on AVX2).

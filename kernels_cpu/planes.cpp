@@ -13,6 +13,9 @@
 #include "bits.h"
 #include "kernels.h"
 
+// Block readers (block_scores, value_rows64) for AVX-512 and AVX2; the portable build reads through the buffer.
+#define KVQ_BLOCKS (KVQ_AVX512 || KVQ_AVX2)
+
 namespace kvq {
 
 namespace {
@@ -202,10 +205,11 @@ inline void key_group(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp
 // added into the set's total (16 / 16 / 24 registers for 1 / 2 / 3 rows): one row's chain is
 // SCORE_CHUNK + D / 16 + 4 roundings (20 at D = 128, against 36 for 4 unchunked sets), 3 rows'
 // SCORE_CHUNK + D / 8 + 3 (19 at D = 64, against 35 for 2 sets): narrower bounds, fewer items need fp64.
-constexpr int score_sets(int nr) { return nr == 1 ? 2 : 1; }
+// AVX2's 16 registers hold one set per row (a chain of SCORE_CHUNK + D / 8 + 3 for 1-3 rows).
+constexpr int score_sets(int nr) { return KVQ_AVX512 && nr == 1 ? 2 : 1; }
 constexpr int SCORE_CHUNK = 8;
 
-#if KVQ_AVX512
+#if KVQ_BLOCKS
 // A key block's channel as block_scores reads it: its planes' addresses, and a prefetch of the same channel
 // of block j + PFB (into L2) and of block j + 1 (into L1) as this block's width reads it (a burst of a whole
 // block's lines measured slower). With AlignedKV+'s widths per block this misses a plane where a later
@@ -219,9 +223,8 @@ struct KeyBlockPlanes {
         ahead(j + PFB < s.nb), near1(j + 1 < s.nb) {
     if (ahead) pa = PFB * s.ka.s2, pb = PFB * s.kb.s2, pc = PFB * s.kc.s2;
   }
-  // Channel c's 64 tokens at WB bits in planes64's order, after prefetching that channel further on.
-  template <int WB, bool TINY>
-  [[gnu::always_inline]] void read(int c, vf* x) const {
+  template <int WB>
+  [[gnu::always_inline]] void prefetch(int c) const {
     const uint8_t *ac = a + c * KB, *bc = bp + c * KB / 2, *cc = cp + c * KB / 2;
     if (ahead) {
       __builtin_prefetch(ac + pa, 0, 2);
@@ -233,9 +236,29 @@ struct KeyBlockPlanes {
       if (WB > 8) __builtin_prefetch(bc + nb, 0, 3);
       if (WB > 12) __builtin_prefetch(cc + nc, 0, 3);
     }
-    planes64<WB, TINY>(ac, bc, cc, x);
   }
+#if KVQ_AVX512
+  // Channel c's 64 tokens at WB bits in planes64's order, after prefetching that channel further on.
+  template <int WB, bool TINY>
+  [[gnu::always_inline]] void read(int c, vf* x) const {
+    prefetch<WB>(c);
+    planes64<WB, TINY>(a + c * KB, bp + c * KB / 2, cp + c * KB / 2, x);
+  }
+#else
+  // Channel c's TOK (16 or 32) tokens from o at WB bits, in order (TOK / 16 vectors).
+  template <int WB, bool TINY, int TOK>
+  [[gnu::always_inline]] void part(int c, int o, vf* x) const {
+    const uint8_t *ac = a + c * KB + o, *bc = bp + (c * KB + o) / 2, *cc = cp + (c * KB + o) / 2;
+    if constexpr (TOK == 32)
+      planes32<WB, TINY>(ac, bc, cc, x);
+    else
+      x[0] = planes16<WB, TINY>(ac, bc, cc, W);
+  }
+#endif
 };
+#endif
+
+#if KVQ_AVX512
 
 // Scores of key block j's 64 tokens for NR (<= 4) rows, d[r*BT + t] = q_r . k_t in fp32: each channel's
 // 64 tokens read once at its width (planes64) and multiplied into every row's sums, which stay in
@@ -389,6 +412,98 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
   for (int c0 = 0; c0 < D; c0 += 64) pass.template operator()<1>(c0);
 }
 
+#elif KVQ_AVX2
+// AVX2 has 16 vector registers where AVX-512 has 32, so its block readers work in slices that keep every sum
+// in registers: keys TOK tokens of the block at a time (32 for one row, 16 for 2-4), values CP channels.
+
+// block_scores as on AVX-512 (the same sets of channels, chunks and sums per token, so score_chain holds for
+// both), the block's tokens TOK at a time: each channel's TOK tokens read at its width (planes32 / planes16)
+// and multiplied into every row's sums. Prefetch in the first slice, as AVX-512's read does.
+template <int NR, bool TINY>
+void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
+                  float* d) {
+  static_assert(score_sets(NR) == 1, "AVX2 sums each row's channels in one set");
+  constexpr int TOK = NR == 1 ? 32 : 16, V = TOK / W;
+  constexpr bool chunked = NR <= 3;
+  const KeyBlockPlanes planes(s, b, h, j);
+  for (int o = 0; o < KB; o += TOK) {
+    vf acc[NR][V], total[chunked ? NR : 1][V];
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < V; ++u) acc[r][u] = zero();
+    for (auto& t : total)
+      for (auto& x : t) x = zero();
+    auto chunk_done = [&]() {
+      for (int r = 0; r < (chunked ? NR : 1); ++r)
+        for (int u = 0; u < V; ++u) {
+          total[r][u] = add(total[r][u], acc[r][u]);
+          acc[r][u] = zero();
+        }
+    };
+    auto group = [&]<int WB>() {
+      const int k = (WB - 8) / 4, n = ch.count[k];
+      for (int i = 0; i < n; ++i) {
+        const int c = ch.list[k][i];
+        if (o == 0) planes.prefetch<WB>(c);
+        vf x[V];
+        planes.part<WB, TINY, TOK>(c, o, x);
+        for (int r = 0; r < NR; ++r) {
+          const vf qc = set1(q[r][c]);
+          for (int u = 0; u < V; ++u) acc[r][u] = fma(qc, x[u], acc[r][u]);
+        }
+        if constexpr (chunked)
+          if ((i + 1) % SCORE_CHUNK == 0) chunk_done();
+      }
+      if constexpr (chunked) chunk_done();
+    };
+    group.template operator()<8>();
+    group.template operator()<12>();
+    group.template operator()<16>();
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < V; ++u) store(d + r * BT + o + u * W, chunked ? total[r][u] : acc[r][u], lanes(W));
+  }
+}
+
+// value_rows64 as on AVX-512 (the same arguments; the sums in element order, which is AVX2's order64), CP
+// channels a pass over the n tokens: 64 for one row, 32 for two, 16 for 3-4 (8 registers of sums).
+template <int NR, int WB, bool TINY>
+void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, int D, const uint8_t* wa, int64_t ws,
+                  const float* p, float* acc) {
+  constexpr int CP = NR == 1 ? 64 : NR == 2 ? 32 : 16, V = CP / W;
+  const uint8_t *a = s.va.at(b, h, t0), *bp = s.vb.at(b, h, t0), *cp = s.vc.at(b, h, t0);
+  for (int c0 = 0; c0 < D; c0 += CP) {
+    vf x[NR][V];
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < V; ++u) x[r][u] = load(acc + r * DMAX + c0 + u * W, lanes(W));
+    for (int t = 0; t < n; ++t) {
+      if (c0 == 0 && wa != nullptr) {
+        const int width = wa[t * ws];
+        for (int c = 0; c < D; c += 64) {
+          __builtin_prefetch(a + (t + PF) * s.va.s2 + c, 0, 2);
+          __builtin_prefetch(a + (t + PF1) * s.va.s2 + c, 0, 3);
+        }
+        if (width >= 12)
+          for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(bp + (t + PF) * s.vb.s2 + c, 0, 2);
+        if (width >= 16)
+          for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(cp + (t + PF) * s.vc.s2 + c, 0, 2);
+      }
+      const uint8_t *ar = a + t * s.va.s2 + c0, *br = bp + t * s.vb.s2 + c0 / 2, *cr = cp + t * s.vc.s2 + c0 / 2;
+      vf v[V];
+      if constexpr (CP == W)
+        v[0] = planes16<WB, TINY>(ar, br, cr, W);
+      else
+        for (int k = 0; k < CP / 32; ++k) planes32<WB, TINY>(ar + 32 * k, br + 16 * k, cr + 16 * k, v + 2 * k);
+      for (int r = 0; r < NR; ++r) {
+        const vf pr = set1(p[r * BT + t]);
+        for (int u = 0; u < V; ++u) x[r][u] = fma(pr, v[u], x[r][u]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int u = 0; u < V; ++u) store(acc + r * DMAX + c0 + u * W, x[r][u], lanes(W));
+  }
+}
+#endif
+
+#if KVQ_BLOCKS
 // value_rows64 over n tokens from t0 whose widths are w[t * ws], a run of one width at a time (wa: the
 // widths PF tokens ahead, as value_rows64 takes them).
 template <int NR>
@@ -425,11 +540,11 @@ struct PlanesFormat : NoTerms {
   };
   State state(const Problem&) const { return {}; }
 
-  // The driver's blocks of BT tokens are the key blocks (BT == KB, chunks start at multiples of BT). On
-  // AVX-512, for up to 4 rows, a block's first call reads and scores (or adds) all 64 tokens (planes64) and
-  // its other calls have nothing left to do; otherwise 16 tokens through the buffer.
+  // The driver's blocks of BT tokens are the key blocks (BT == KB, chunks start at multiples of BT). With
+  // block readers (AVX-512, AVX2), for up to 4 rows, a block's first call reads and scores (or adds) all 64
+  // tokens and its other calls have nothing left to do; otherwise 16 tokens through the buffer.
   void scores(State& st, int64_t b, int64_t h, int64_t t0, int n, const Rows& R, int D, float* buf, float* d) const {
-#if KVQ_AVX512
+#if KVQ_BLOCKS
     if (t0 < s.nb * KB && R.n <= 4) {
       if (t0 % KB == 0) {
         st.channels.build(s.kw.at(b, h, t0 / KB), s.kw_c, D);
@@ -451,7 +566,7 @@ struct PlanesFormat : NoTerms {
 
   void accumulate(State& st, int64_t b, int64_t h, int64_t t0, int n, int nr, int D, const float* p, float* buf,
                   float* acc) const {
-#if KVQ_AVX512
+#if KVQ_BLOCKS
     const int64_t nv = s.nb * KB;
     if (t0 < nv && nr <= 4 && D % 64 == 0) {
       if (t0 % KB == 0) by_row_count(nr, [&]<int NR>() { block_values<NR>(b, h, t0, D, p, acc); });
@@ -462,9 +577,10 @@ struct PlanesFormat : NoTerms {
     accumulate_rows<NC>(buf, n, nr, p, acc);
   }
 
-#if KVQ_AVX512
+#if KVQ_BLOCKS
   // The KB value rows from t0 (a key block's tokens) added into NR rows' sums: the sums put in planes64's
-  // order, each run of one width read 64 channels at a time, and the order restored.
+  // order (AVX-512; AVX2 reads in element order), each run of one width read by value_rows64, the order
+  // restored.
   template <int NR>
   void block_values(int64_t b, int64_t h, int64_t t0, int D, const float* p, float* acc) const {
     const int64_t nv = s.nb * KB;
@@ -593,21 +709,29 @@ inline void transpose16(const float* in, int n, float* out, int64_t ld, int64_t 
 #endif
 }
 
-// One block's keys, read at their widths, into rows out[t * D + c] (fp32): channel-major vectors of
-// 16 tokens through a small buffer, transposed 16 channels at a time.
+// One block's keys, read at their widths, into rows out[t * D + c] (fp32): each channel's 64 tokens as
+// block_scores reads them (AVX-512, AVX2), else channel-major vectors of 16 tokens through a small buffer;
+// transposed 16 channels at a time.
 template <bool TINY>
 void read_key_block(const PlaneArgs& s, int64_t b, int64_t h, int64_t j, int D, float* out) {
   KeyChannels ch;
   ch.build(s.kw.at(b, h, j), s.kw_c, D);
-#if KVQ_AVX512  // each channel's 64 tokens by planes64 (what block_scores reads), then 16 tokens at a time
+#if KVQ_BLOCKS  // each channel's 64 tokens as block_scores reads them, then 16 tokens at a time
   alignas(64) float rows[DMAX * KB];  // [c][t]
+  const KeyBlockPlanes planes(s, b, h, j);
   auto read = [&]<int WB>() {
     const int k = (WB - 8) / 4;
     for (int i = 0; i < ch.count[k]; ++i) {
       const int c = ch.list[k][i];
       vf x[4];
-      planes64<WB, TINY>(s.ka.at(b, h, j) + c * KB, s.kb.at(b, h, j) + c * KB / 2, s.kc.at(b, h, j) + c * KB / 2, x);
+#if KVQ_AVX512
+      planes64<WB, TINY>(planes.a + c * KB, planes.bp + c * KB / 2, planes.cp + c * KB / 2, x);
       order64(x);
+#else  // tokens 0-31 by planes32 (block_scores' read for one row), 32-63 by planes16 (for 2-4 rows)
+      planes.part<WB, TINY, 32>(c, 0, x);
+      planes.part<WB, TINY, 16>(c, 32, x + 2);
+      planes.part<WB, TINY, 16>(c, 48, x + 3);
+#endif
       for (int u = 0; u < 4; ++u) store(rows + c * KB + u * W, x[u], lanes(W));
     }
   };
@@ -913,7 +1037,7 @@ inline uint64_t near_bits(const double* s, const double* best, int64_t t0, int64
 // sum_k ceil(count_k / S) < D / S + 3 over the three width groups) and their pairwise sum, or
 // dot_channel_group's chains and their sum in order.
 inline int score_chain(int64_t R, int64_t r, int D) {
-#if KVQ_AVX512
+#if KVQ_BLOCKS
   if (R <= 3) {  // a chunk's chain, at most D / (S SCORE_CHUNK) + 3 chunk totals a set (3 width groups), the sets' add
     const int S = score_sets(int(R));
     return SCORE_CHUNK + D / (S * SCORE_CHUNK) + 3 + (S - 1);
@@ -1167,7 +1291,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     }
   };
   for (int64_t t0 = 0; t0 < L;) {
-#if KVQ_AVX512
+#if KVQ_BLOCKS
     if (t0 < nv && R <= 4) {  // a whole key block (t0 steps through them by KB), no buffer
       st.channels.build(f.s.kw.at(b, h, t0 / KB), f.s.kw_c, D);
       by_row_count(int(R), [&]<int NR>() {
@@ -1666,7 +1790,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
   }
   alignas(64) float p[NRMAX * BT];
   alignas(64) float acc[NRMAX * DMAX];
-#if KVQ_AVX512
+#if KVQ_BLOCKS
   alignas(64) float acc64[4 * DMAX];  // block tokens' sums, channels in planes64's order
   const bool rows64 = R <= 4 && D % 64 == 0;
 #else
@@ -1675,7 +1799,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
   for (int64_t r0 = 0; r0 < R; r0 += NRMAX) {  // values at their widths, weighted by the same scores
     const int nr = int(std::min<int64_t>(NRMAX, R - r0));
     std::fill(acc, acc + nr * DMAX, 0.0f);
-#if KVQ_AVX512
+#if KVQ_BLOCKS
     if (rows64) std::fill(acc64, acc64 + nr * DMAX, 0.0f);
 #endif
     int n = 0;
@@ -1689,7 +1813,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
         for (int t = 0; t < n; ++t) any |= pr[t] != 0.0f;
       }
       if (!any) continue;
-#if KVQ_AVX512
+#if KVQ_BLOCKS
       if (rows64 && t0 < nv) {  // runs of one width, read 64 channels at a time (nv is a multiple of BT)
         const uint8_t* wa = t0 + PF + n <= nv ? wv + t0 + PF : nullptr;
         by_row_count(nr, [&]<int NR>() { value_runs<NR>(f.s, b, h, t0, n, D, wv + t0, 1, wa, p, acc64); });
@@ -1699,7 +1823,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
       f.values(st, b, h, t0, n, D, buf);
       accumulate_rows<NC>(buf, n, nr, p, acc);
     }
-#if KVQ_AVX512
+#if KVQ_BLOCKS
     if (rows64)
       for (int r = 0; r < nr; ++r)
         for (int c0 = 0; c0 < D; c0 += 64) {

@@ -612,9 +612,35 @@ def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
     for width in (8, 12, 16):
         out = kernels_cpu.attend_planes(torch.zeros(1, 1, n, 32), store, k_widths=width, v_widths=width, mask=mask)
         assert torch.equal(out, store.read_values(width, torch.float32))
-        # the same patterns as keys, read 64 tokens of a channel at a time (planes64 on AVX-512)
+        # the same patterns as keys, read 64 tokens of a channel at a time as block_scores reads them (planes64
+        # on AVX-512; on AVX2 tokens 0-31 by planes32, 32-63 by planes16)
         keys = kernels_cpu.read_plane_keys(store.k_a, store.k_b, store.k_c, store.tail_k, k_widths=width)
         assert torch.equal(keys.view(torch.int32), store.read_keys(width, torch.float32).view(torch.int32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_block_value_reads_give_every_fp16_pattern_as_the_torch_reader(built, rows):
+    """The block readers' values (value_rows64: whole key blocks, head dim a multiple of 64, at most 4 query
+    rows a KV head; 64, 32 or 16 channels a pass by row count on AVX2): all 63,488 finite fp16 patterns (and
+    2,048 again) as 16 sequences of one 64-token block x 64 channels, each query row seeing one token, calls
+    until every token was seen; at 8, 12 and 16 bits the output is the value as the torch reader reads it."""
+    from kvquant.bits import bits_to_fp16
+    from kvquant.formats.planes import PlaneStore
+
+    patterns = torch.arange(1 << 16, dtype=torch.int32)
+    finite = patterns[((patterns >> 10) & 0x1F) != 31]
+    values = bits_to_fp16(torch.cat([finite, finite[:2048]])).view(16, 1, 64, 64)
+    store = PlaneStore()
+    store.append(values, values)
+    assert store.n_full == 64 and store.tiny_v
+    q = torch.zeros(16, 1, rows, 64)
+    for width in (8, 12, 16):
+        expected = store.read_values(width, torch.float32)
+        for first in range(0, 64, rows):
+            mask = torch.zeros(16, 1, rows, 64, dtype=torch.bool)
+            mask[:, :, torch.arange(rows), first + torch.arange(rows)] = True
+            out = kernels_cpu.attend_planes(q, store, k_widths=width, v_widths=width, mask=mask)
+            assert torch.equal(out, expected[:, :, first : first + rows])
 
 
 @pytest.mark.parametrize("shape", PLANE_SHAPES[:4] + PLANE_SHAPES[5:], ids=lambda s: "x".join(map(str, s)))
