@@ -205,7 +205,7 @@ inline void key_group(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp
 // added into the set's total (16 / 16 / 24 registers for 1 / 2 / 3 rows): one row's chain is
 // SCORE_CHUNK + D / 16 + 4 roundings (20 at D = 128, against 36 for 4 unchunked sets), 3 rows'
 // SCORE_CHUNK + D / 8 + 3 (19 at D = 64, against 35 for 2 sets): narrower bounds, fewer items need fp64.
-// AVX2's 16 registers hold one set per row (a chain of SCORE_CHUNK + D / 8 + 3 for 1-3 rows).
+// AVX2's 16 registers hold one set per row (SCORE_CHUNK + D / 8 + 3 for 1-3 rows).
 constexpr int score_sets(int nr) { return KVQ_AVX512 && nr == 1 ? 2 : 1; }
 constexpr int SCORE_CHUNK = 8;
 
@@ -416,26 +416,36 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
 // AVX2 has 16 vector registers where AVX-512 has 32, so its block readers work in slices that keep every sum
 // in registers: keys TOK tokens of the block at a time (32 for one row, 16 for 2-4), values CP channels.
 
-// block_scores as on AVX-512 (the same sets of channels, chunks and sums per token, so score_chain holds for
-// both), the block's tokens TOK at a time: each channel's TOK tokens read at its width (planes32 / planes16)
-// and multiplied into every row's sums. Prefetch in the first slice, as AVX-512's read does.
+// block_scores as on AVX-512 (one set of channels per row; 1-3 rows summed in chunks of SCORE_CHUNK into a
+// total, 4 rows in one chain: score_chain's bounds), the block's tokens TOK at a time: each channel's TOK tokens
+// read at its width (planes32 / planes16) and multiplied into every row's sums. For 2 rows the totals live in
+// memory (a load, add and store per chunk), so that the sums and a 32-token read fill the registers; for 1 and
+// 3 rows they fit beside 32- and 16-token reads (one row's in memory measured ~5% slower). Prefetch in the first slice, as AVX-512's read does. Why not chunk 4 rows too:
+// totals in memory made their key pass ~25% slower (an A/B of two builds, 32q/8kv x 128, 16K).
 template <int NR, bool TINY>
 void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
                   float* d) {
   static_assert(score_sets(NR) == 1, "AVX2 sums each row's channels in one set");
-  constexpr int TOK = NR == 1 ? 32 : 16, V = TOK / W;
-  constexpr bool chunked = NR <= 3;
+  constexpr int TOK = NR <= 2 ? 32 : 16, V = TOK / W;
+  constexpr bool chunked = NR <= 3, in_memory = NR == 2;
   const KeyBlockPlanes planes(s, b, h, j);
+  if constexpr (in_memory)
+    for (int r = 0; r < NR; ++r) std::fill(d + r * BT, d + r * BT + KB, 0.0f);
   for (int o = 0; o < KB; o += TOK) {
-    vf acc[NR][V], total[chunked ? NR : 1][V];
+    vf acc[NR][V], total[chunked && !in_memory ? NR : 1][V];
     for (int r = 0; r < NR; ++r)
       for (int u = 0; u < V; ++u) acc[r][u] = zero();
     for (auto& t : total)
       for (auto& x : t) x = zero();
     auto chunk_done = [&]() {
-      for (int r = 0; r < (chunked ? NR : 1); ++r)
+      for (int r = 0; r < NR; ++r)
         for (int u = 0; u < V; ++u) {
-          total[r][u] = add(total[r][u], acc[r][u]);
+          if constexpr (in_memory) {
+            float* sum = d + r * BT + o + u * W;
+            store(sum, add(load(sum, lanes(W)), acc[r][u]), lanes(W));
+          } else {
+            total[r][u] = add(total[r][u], acc[r][u]);
+          }
           acc[r][u] = zero();
         }
     };
@@ -458,8 +468,9 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
     group.template operator()<8>();
     group.template operator()<12>();
     group.template operator()<16>();
-    for (int r = 0; r < NR; ++r)
-      for (int u = 0; u < V; ++u) store(d + r * BT + o + u * W, chunked ? total[r][u] : acc[r][u], lanes(W));
+    if constexpr (!in_memory)
+      for (int r = 0; r < NR; ++r)
+        for (int u = 0; u < V; ++u) store(d + r * BT + o + u * W, chunked ? total[r][u] : acc[r][u], lanes(W));
   }
 }
 
