@@ -104,11 +104,22 @@ inline void exp_nonpositive(const double* in, double* out, int64_t n) {
 #endif
 }
 
-// Largest of x[0..n) and x[0..n) summed, each over 8 interleaved lanes so the compiler vectorizes.
+// Largest of x[0..n) and x[0..n) summed, each over 8 interleaved lanes. The max in vector ops where there
+// are (maxpd is x > m ? x : m, lane for lane the loop's rule): GCC left the loop scalar on AVX2, where it
+// took ~8% of the block rule's step at 9q/3kv x 64, 8K (perf).
 inline double max_of(const double* x, int64_t n) {
-  double m[8];
+  alignas(32) double m[8];
   std::fill(m, m + 8, -INFINITY);
   int64_t t = 0;
+#if KVQ_AVX512 || KVQ_AVX2
+  __m256d m0 = _mm256_load_pd(m), m1 = m0;
+  for (; t + 8 <= n; t += 8) {
+    m0 = _mm256_max_pd(_mm256_loadu_pd(x + t), m0);
+    m1 = _mm256_max_pd(_mm256_loadu_pd(x + t + 4), m1);
+  }
+  _mm256_store_pd(m, m0);
+  _mm256_store_pd(m + 4, m1);
+#endif
   for (; t + 8 <= n; t += 8)
     for (int j = 0; j < 8; ++j) m[j] = x[t + j] > m[j] ? x[t + j] : m[j];
   for (; t < n; ++t) m[0] = x[t] > m[0] ? x[t] : m[0];
@@ -420,15 +431,16 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
 }
 
 #elif KVQ_AVX2
-// AVX2 has 16 vector registers where AVX-512 has 32, so its block readers work in slices that keep every sum
-// in registers: keys TOK tokens of the block at a time (32 for one row, 16 for 2-4), values CP channels.
+// AVX2 has 16 vector registers where AVX-512 has 32, so its block readers work in slices: keys TOK tokens of
+// the block at a time (32 for 1-2 rows, 16 for 3-4), values CP channels of a row.
 
 // block_scores as on AVX-512 (one set of channels per row; 1-3 rows summed in chunks of SCORE_CHUNK into a
-// total, 4 rows in one chain: score_chain's bounds), the block's tokens TOK at a time: each channel's TOK tokens
-// read at its width (planes32 / planes16) and multiplied into every row's sums. For 2 rows the totals live in
-// memory (a load, add and store per chunk), so that the sums and a 32-token read fill the registers; for 1 and
-// 3 rows they fit beside 32- and 16-token reads (one row's in memory measured ~5% slower). Prefetch in the first slice, as AVX-512's read does. Why not chunk 4 rows too:
-// totals in memory made their key pass ~25% slower (an A/B of two builds, 32q/8kv x 128, 16K).
+// total, 4 rows in one chain: score_chain's bounds), the block's tokens TOK at a time: each channel's TOK
+// tokens read at its width (planes32 / planes16) and multiplied into every row's sums. For 2 rows the totals
+// live in memory (a load, add and store per chunk) so that the sums and a 32-token read fill the registers;
+// for 1 and 3 rows they fit beside 32- and 16-token reads (one row's in memory measured ~5% slower). 4 rows
+// are not chunked: totals in memory made their key pass ~25% slower (A/B of two builds in one process,
+// 32q/8kv x 128, 16K). Prefetch in the first slice, as AVX-512's read does.
 template <int NR, bool TINY>
 void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
                   float* d) {
@@ -1017,7 +1029,32 @@ inline bool exp_by_kind(double* s, const uint8_t* e, int64_t n, double mx, doubl
     const int64_t m = std::min<int64_t>(512, n - t0);
     for (int64_t t = 0; t < m; ++t) shifted[t] = s[t0 + t] - mx;
     exp_nonpositive(shifted, s + t0, m);
-    for (int64_t t = 0; t < m; ++t) {
+    int64_t t = 0;
+#if KVQ_AVX2  // the loop below 8 at a time, lane t % 8 of each kind's sums as there (the other kind adds +0)
+    __m256d e0 = _mm256_loadu_pd(le), e1 = _mm256_loadu_pd(le + 4), lo = _mm256_setzero_pd();
+    __m256d a0 = _mm256_loadu_pd(la), a1 = _mm256_loadu_pd(la + 4);
+    auto four = [&](int64_t i, __m256d& es, __m256d& as) {
+      int32_t bytes;
+      std::memcpy(&bytes, e + t0 + i, 4);
+      const __m256d v = _mm256_loadu_pd(s + t0 + i);
+      const __m256d plain = _mm256_castsi256_pd(
+          _mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
+      es = _mm256_add_pd(es, _mm256_andnot_pd(plain, v));
+      as = _mm256_add_pd(as, _mm256_and_pd(plain, v));
+      lo = _mm256_or_pd(lo, _mm256_and_pd(_mm256_cmp_pd(v, _mm256_set1_pd(0x1p-1000), _CMP_LT_OQ),
+                                          _mm256_cmp_pd(_mm256_loadu_pd(shifted + i), _mm256_set1_pd(-760.0), _CMP_GT_OQ)));
+    };
+    for (; t + 8 <= m; t += 8) {
+      four(t, e0, a0);
+      four(t + 4, e1, a1);
+    }
+    _mm256_storeu_pd(le, e0);
+    _mm256_storeu_pd(le + 4, e1);
+    _mm256_storeu_pd(la, a0);
+    _mm256_storeu_pd(la + 4, a1);
+    low = low || _mm256_movemask_pd(lo) != 0;
+#endif
+    for (; t < m; ++t) {
       low = low || (s[t0 + t] < 0x1p-1000 && shifted[t] > -760.0);
       (e[t0 + t] ? le : la)[t % 8] += s[t0 + t];
     }
