@@ -256,8 +256,8 @@ def random_widths(*shape: int, seed: int) -> torch.Tensor:
 
 # (batch, q heads, kv heads, q_len, tokens, head_dim, per-block key widths): GQA 3 and 4, MHA, MQA; head
 # dims 8, 64, 128, 48 and 96; tails (L mod 64 != 0), a store still all tail (L < 64) and one of whole blocks.
-# On AVX-512 the fused step reads whole key blocks for up to 4 query rows a KV head, and values 64 channels at
-# a time where the head dim is a multiple of 64 (planes.cpp, block_scores / value_rows64): the 1-, 2-, 3- and
+# On AVX-512 and AVX2 the fused step reads whole key blocks for up to 4 query rows a KV head, and value rows by
+# block where the head dim is a multiple of 64 (planes.cpp, block_scores / value_rows64): the 1-, 2-, 3- and
 # 4-row shapes at head dims 64, 96 and 128 take those paths, the others the 16-token ones.
 PLANE_SHAPES = [
     (1, 9, 3, 1, 4133, 64, False),
@@ -618,7 +618,7 @@ def test_planes_read_every_fp16_pattern_as_the_torch_reader(built):
         assert torch.equal(keys.view(torch.int32), store.read_keys(width, torch.float32).view(torch.int32))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_block_value_reads_give_every_fp16_pattern_as_the_torch_reader(built, rows):
     """The block readers' values (value_rows64: whole key blocks, head dim a multiple of 64, at most 4 query
     rows a KV head; 64, 32 or 16 channels a pass by row count on AVX2): all 63,488 finite fp16 patterns (and
@@ -636,7 +636,7 @@ def test_block_value_reads_give_every_fp16_pattern_as_the_torch_reader(built, ro
     q = torch.zeros(16, 1, rows, 64)
     for width in (8, 12, 16):
         expected = store.read_values(width, torch.float32)
-        for first in range(0, 64, rows):
+        for first in (min(t, 64 - rows) for t in range(0, 64, rows)):
             mask = torch.zeros(16, 1, rows, 64, dtype=torch.bool)
             mask[:, :, torch.arange(rows), first + torch.arange(rows)] = True
             out = kernels_cpu.attend_planes(q, store, k_widths=width, v_widths=width, mask=mask)
