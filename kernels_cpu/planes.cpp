@@ -1726,7 +1726,9 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
   if (!rule.exact_scores) ++(fast ? fast_items : exact_items);
   alignas(64) double dots[3 * KB];  // 3 rows of a key block, or 4 of 16 tokens (dot_channels_f64)
   static_assert(3 * KB >= 4 * W);
+#if KVQ_AVX512
   alignas(64) double qd[4 * DMAX];  // the query rows in fp64, for block_scores_f64
+#endif
   auto keep = [&](int64_t r0, int nr, int64_t t0, int n, int stride) {  // masked scores into S
     for (int r = 0; r < nr; ++r) {
       double* srow = S.data() + (r0 + r) * L + t0;
