@@ -274,6 +274,21 @@ struct KeyBlockPlanes {
   }
 #endif
 };
+
+// Value row t (of the rows from a, bp, cp) PF tokens ahead into L2: plane A, and B / C where `width` (that row's)
+// reads them; plane A also PF1 tokens ahead into L1. Always inlined: as a lambda of its own GCC dropped the call
+// (no prefetch left in value_rows64's loop).
+[[gnu::always_inline]] inline void prefetch_value_row(const PlaneArgs& s, const uint8_t* a, const uint8_t* bp,
+                                                      const uint8_t* cp, int t, int width, int D) {
+  for (int c = 0; c < D; c += 64) {
+    __builtin_prefetch(a + (t + PF) * s.va.s2 + c, 0, 2);
+    __builtin_prefetch(a + (t + PF1) * s.va.s2 + c, 0, 3);
+  }
+  if (width >= 12)
+    for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(bp + (t + PF) * s.vb.s2 + c, 0, 2);
+  if (width >= 16)
+    for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(cp + (t + PF) * s.vc.s2 + c, 0, 2);
+}
 #endif
 
 #if KVQ_AVX512
@@ -402,17 +417,7 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
     for (int r = 0; r < NR; ++r)
       for (int u = 0; u < 4 * CK; ++u) x[r][u] = load(acc + r * DMAX + c0 + u * W, lanes(W));
     for (int t = 0; t < n; ++t) {
-      if (c0 == 0 && wa != nullptr) {  // written out here: as a lambda of its own GCC dropped the call
-        const int width = wa[t * ws];
-        for (int c = 0; c < D; c += 64) {
-          __builtin_prefetch(a + (t + PF) * s.va.s2 + c, 0, 2);
-          __builtin_prefetch(a + (t + PF1) * s.va.s2 + c, 0, 3);
-        }
-        if (width >= 12)
-          for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(bp + (t + PF) * s.vb.s2 + c, 0, 2);
-        if (width >= 16)
-          for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(cp + (t + PF) * s.vc.s2 + c, 0, 2);
-      }
+      if (c0 == 0 && wa != nullptr) prefetch_value_row(s, a, bp, cp, t, wa[t * ws], D);
       vf v[4 * CK];
       for (int k = 0; k < CK; ++k) {
         const int c = c0 + 64 * k;
@@ -506,17 +511,7 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
     for (int r = 0; r < NR; ++r)
       for (int u = 0; u < V; ++u) x[r][u] = load(acc + r * DMAX + c0 + u * W, lanes(W));
     for (int t = 0; t < n; ++t) {
-      if (c0 == 0 && wa != nullptr) {
-        const int width = wa[t * ws];
-        for (int c = 0; c < D; c += 64) {
-          __builtin_prefetch(a + (t + PF) * s.va.s2 + c, 0, 2);
-          __builtin_prefetch(a + (t + PF1) * s.va.s2 + c, 0, 3);
-        }
-        if (width >= 12)
-          for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(bp + (t + PF) * s.vb.s2 + c, 0, 2);
-        if (width >= 16)
-          for (int c = 0; c < D / 2; c += 64) __builtin_prefetch(cp + (t + PF) * s.vc.s2 + c, 0, 2);
-      }
+      if (c0 == 0 && wa != nullptr) prefetch_value_row(s, a, bp, cp, t, wa[t * ws], D);
       const uint8_t *ar = a + t * s.va.s2 + c0, *br = bp + t * s.vb.s2 + c0 / 2, *cr = cp + t * s.vc.s2 + c0 / 2;
       vf v[V];
       if constexpr (CP == W)
