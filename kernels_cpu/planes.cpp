@@ -444,8 +444,9 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
 // tokens read at its width (planes32 / planes16) and multiplied into every row's sums. For 2 rows the totals
 // live in memory (a load, add and store per chunk) so that the sums and a 32-token read fill the registers;
 // for 1 and 3 rows they fit beside 32- and 16-token reads (one row's in memory measured ~5% slower). 4 rows
-// are not chunked: totals in memory made their key pass ~25% slower (A/B of two builds in one process,
-// 32q/8kv x 128, 16K). Prefetch in the first slice, as AVX-512's read does.
+// are not chunked: with totals in memory their attention at 8 bits took ~25% longer, only the key pass
+// differing (A/B of two builds in one process, 32q/8kv x 128, 16K). Prefetch in the first slice, as
+// AVX-512's read does.
 template <int NR, bool TINY>
 void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
                   float* d) {
