@@ -45,7 +45,7 @@ inline int32_t floor_log2(double x) {
 // out = exp(in) for in <= 0 (-inf included). AVX-512: 2^k * P(r), r = in - k ln 2 in two fma steps, P
 // the degree-13 Taylor polynomial (truncation < 5e-18 for |r| <= ln2 / 2), scaled by scalef (so
 // subnormal results round once); within a few ulp of libm's exp, as far from it as torch's own
-// vectorized exp is. Elsewhere libm's exp.
+// vectorized exp is. AVX2: the same polynomial and rounding (exp4); elsewhere libm's exp.
 #if KVQ_AVX512
 inline __m512d exp8(__m512d v) {
   constexpr double C[14] = {1.0,           1.0,           1.0 / 2,        1.0 / 6,         1.0 / 24,
@@ -60,6 +60,41 @@ inline __m512d exp8(__m512d v) {
   for (int j = 12; j >= 0; --j) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(C[j]));
   return _mm512_scalef_pd(p, k);
 }
+#elif KVQ_AVX2
+// exp8's polynomial on N vectors of 4 lanes, step by step across them (N independent chains of 13 fma: one at
+// a time, the scheduler fills with a few chains' waiting ops). Where a lane's 2^k * P(r) may be subnormal
+// (k < -1021), 2^k is taken as two normal powers of two, so that the result is rounded once, as scalef rounds
+// it; elsewhere both products are exact, so one power gives the same bits.
+template <int N>
+inline void exp4(__m256d* v) {
+  constexpr double C[14] = {1.0,           1.0,           1.0 / 2,        1.0 / 6,         1.0 / 24,
+                            1.0 / 120,     1.0 / 720,     1.0 / 5040,     1.0 / 40320,     1.0 / 362880,
+                            1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};
+  auto pow2 = [](__m256d j) {  // j integral, -1022 <= j <= 0: the low bits of j + 1.5 * 2^52 hold j
+    const __m256i bits = _mm256_castpd_si256(_mm256_add_pd(j, _mm256_set1_pd(0x1.8p52)));
+    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(bits, _mm256_set1_epi64x(1023)), 52));
+  };
+  __m256d k[N], r[N], p[N], tiny = _mm256_setzero_pd();
+  for (int i = 0; i < N; ++i) {
+    r[i] = _mm256_max_pd(v[i], _mm256_set1_pd(-746.0));
+    k[i] = _mm256_round_pd(_mm256_mul_pd(r[i], _mm256_set1_pd(1.4426950408889634)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r[i] = _mm256_fnmadd_pd(k[i], _mm256_set1_pd(0.6931471803691238), r[i]);
+    tiny = _mm256_or_pd(tiny, _mm256_cmp_pd(k[i], _mm256_set1_pd(-1021.0), _CMP_LT_OQ));
+  }
+  for (int i = 0; i < N; ++i) r[i] = _mm256_fnmadd_pd(k[i], _mm256_set1_pd(1.9082149292705877e-10), r[i]);
+  for (int i = 0; i < N; ++i) p[i] = _mm256_fmadd_pd(_mm256_set1_pd(C[13]), r[i], _mm256_set1_pd(C[12]));
+  for (int j = 11; j >= 0; --j)
+    for (int i = 0; i < N; ++i) p[i] = _mm256_fmadd_pd(p[i], r[i], _mm256_set1_pd(C[j]));
+  if (_mm256_movemask_pd(tiny) == 0) {
+    for (int i = 0; i < N; ++i) v[i] = _mm256_mul_pd(p[i], pow2(k[i]));
+    return;
+  }
+  for (int i = 0; i < N; ++i) {
+    const __m256d k1 = _mm256_floor_pd(_mm256_mul_pd(k[i], _mm256_set1_pd(0.5)));
+    v[i] = _mm256_mul_pd(_mm256_mul_pd(p[i], pow2(k1)), pow2(_mm256_sub_pd(k[i], k1)));
+  }
+}
 #endif
 
 inline void exp_nonpositive(const double* in, double* out, int64_t n) {
@@ -71,32 +106,20 @@ inline void exp_nonpositive(const double* in, double* out, int64_t n) {
     _mm512_mask_storeu_pd(out + i, m, exp8(_mm512_mask_loadu_pd(_mm512_setzero_pd(), m, in + i)));
   }
 #elif KVQ_AVX2
-  // The same polynomial; 2^k (k down to -1076) as two normal powers of two, so that a subnormal
-  // result is rounded once, as scalef rounds it.
-  constexpr double C[14] = {1.0,           1.0,           1.0 / 2,        1.0 / 6,         1.0 / 24,
-                            1.0 / 120,     1.0 / 720,     1.0 / 5040,     1.0 / 40320,     1.0 / 362880,
-                            1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800};
-  auto pow2 = [](__m256d k) {  // k integral, -1022 <= k <= 0
-    const __m256i e = _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(k));
-    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(e, _mm256_set1_epi64x(1023)), 52));
-  };
-  auto exp4 = [&](__m256d v) {
-    v = _mm256_max_pd(v, _mm256_set1_pd(-746.0));
-    const __m256d k = _mm256_round_pd(_mm256_mul_pd(v, _mm256_set1_pd(1.4426950408889634)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256d r = _mm256_fnmadd_pd(k, _mm256_set1_pd(0.6931471803691238), v);
-    r = _mm256_fnmadd_pd(k, _mm256_set1_pd(1.9082149292705877e-10), r);
-    __m256d p = _mm256_set1_pd(C[13]);
-    for (int j = 12; j >= 0; --j) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(C[j]));
-    const __m256d k1 = _mm256_floor_pd(_mm256_mul_pd(k, _mm256_set1_pd(0.5)));
-    return _mm256_mul_pd(_mm256_mul_pd(p, pow2(k1)), pow2(_mm256_sub_pd(k, k1)));
-  };
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) _mm256_storeu_pd(out + i, exp4(_mm256_loadu_pd(in + i)));
+  for (; i + 8 <= n; i += 8) {
+    __m256d v[2] = {_mm256_loadu_pd(in + i), _mm256_loadu_pd(in + i + 4)};
+    exp4<2>(v);
+    _mm256_storeu_pd(out + i, v[0]);
+    _mm256_storeu_pd(out + i + 4, v[1]);
+  }
   if (i < n) {
-    alignas(32) double t[4] = {};
+    alignas(32) double t[8] = {};
     std::copy(in + i, in + n, t);
-    _mm256_store_pd(t, exp4(_mm256_load_pd(t)));
+    __m256d v[2] = {_mm256_load_pd(t), _mm256_load_pd(t + 4)};
+    exp4<2>(v);
+    _mm256_store_pd(t, v[0]);
+    _mm256_store_pd(t + 4, v[1]);
     std::copy(t, t + (n - i), out + i);
   }
 #else
@@ -989,7 +1012,26 @@ inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double
   ma = _mm512_reduce_max_pd(va);
 #else
   me = ma = 0.0;
-  for (int64_t t = 0; t < n; ++t) {
+  int64_t t = 0;
+#if KVQ_AVX2  // the same maxima 4 lanes at a time (a max is exact in any order); the other kind's lanes see +0
+  __m256d ve = _mm256_setzero_pd(), va = ve;
+  for (; t + 4 <= n; t += 4) {
+    int32_t bytes;
+    std::memcpy(&bytes, e + t, 4);
+    const __m256d v = _mm256_loadu_pd(x + t), plain = _mm256_castsi256_pd(
+        _mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
+    ve = _mm256_max_pd(_mm256_andnot_pd(plain, v), ve);
+    va = _mm256_max_pd(_mm256_and_pd(plain, v), va);
+  }
+  alignas(32) double le[4], la[4];
+  _mm256_store_pd(le, ve);
+  _mm256_store_pd(la, va);
+  for (int j = 0; j < 4; ++j) {
+    me = le[j] > me ? le[j] : me;
+    ma = la[j] > ma ? la[j] : ma;
+  }
+#endif
+  for (; t < n; ++t) {
     const double v = x[t];
     if (e[t])
       me = v > me ? v : me;
@@ -1001,7 +1043,7 @@ inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double
 
 // s[t] -> exp(s[t] - mx) in place, added into 8 interleaved lanes of sums over the keys with e[t] set (le)
 // and over the rest (la), lane t % 8; true if some result < 2^-1000 has s[t] - mx > -760 (a probability near
-// underflow, which the fp32 bounds do not cover). AVX-512: one pass, the shifted scores never stored.
+// underflow, which the fp32 bounds do not cover). AVX-512 and AVX2: one pass, the shifted scores never stored.
 inline bool exp_by_kind(double* s, const uint8_t* e, int64_t n, double mx, double* le, double* la) {
 #if KVQ_AVX512
   __m512d ve = _mm512_loadu_pd(le), va = _mm512_loadu_pd(la);
@@ -1019,6 +1061,44 @@ inline bool exp_by_kind(double* s, const uint8_t* e, int64_t n, double mx, doubl
   _mm512_storeu_pd(le, ve);
   _mm512_storeu_pd(la, va);
   return lo != 0;
+#elif KVQ_AVX2  // the same pass 16 keys at a time: lane t % 8 of each kind's sums (the other kind adds +0)
+  __m256d e0 = _mm256_loadu_pd(le), e1 = _mm256_loadu_pd(le + 4), a0 = _mm256_loadu_pd(la),
+          a1 = _mm256_loadu_pd(la + 4), lo = _mm256_setzero_pd();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    __m256d shifted[4], v[4];
+    for (int i = 0; i < 4; ++i) v[i] = shifted[i] = _mm256_sub_pd(_mm256_loadu_pd(s + t + 4 * i), _mm256_set1_pd(mx));
+    exp4<4>(v);
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_pd(s + t + 4 * i, v[i]);
+      int32_t bytes;
+      std::memcpy(&bytes, e + t + 4 * i, 4);
+      const __m256d plain = _mm256_castsi256_pd(
+          _mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
+      __m256d& es = i % 2 ? e1 : e0;
+      __m256d& as = i % 2 ? a1 : a0;
+      es = _mm256_add_pd(es, _mm256_andnot_pd(plain, v[i]));
+      as = _mm256_add_pd(as, _mm256_and_pd(plain, v[i]));
+      lo = _mm256_or_pd(lo, _mm256_and_pd(_mm256_cmp_pd(v[i], _mm256_set1_pd(0x1p-1000), _CMP_LT_OQ),
+                                          _mm256_cmp_pd(shifted[i], _mm256_set1_pd(-760.0), _CMP_GT_OQ)));
+    }
+  }
+  _mm256_storeu_pd(le, e0);
+  _mm256_storeu_pd(le + 4, e1);
+  _mm256_storeu_pd(la, a0);
+  _mm256_storeu_pd(la + 4, a1);
+  bool low = _mm256_movemask_pd(lo) != 0;
+  if (t < n) {  // the last n % 16 keys, lane t % 8 as above
+    const int64_t t8 = t;
+    alignas(32) double shifted[16] = {};
+    for (int64_t i = t8; i < n; ++i) shifted[i - t8] = s[i] - mx;
+    exp_nonpositive(shifted, s + t8, n - t8);
+    for (; t < n; ++t) {
+      low = low || (s[t] < 0x1p-1000 && shifted[t - t8] > -760.0);
+      (e[t] ? le : la)[t % 8] += s[t];
+    }
+  }
+  return low;
 #else
   bool low = false;
   alignas(64) double shifted[512];
@@ -1026,32 +1106,7 @@ inline bool exp_by_kind(double* s, const uint8_t* e, int64_t n, double mx, doubl
     const int64_t m = std::min<int64_t>(512, n - t0);
     for (int64_t t = 0; t < m; ++t) shifted[t] = s[t0 + t] - mx;
     exp_nonpositive(shifted, s + t0, m);
-    int64_t t = 0;
-#if KVQ_AVX2  // the loop below 8 at a time, lane t % 8 of each kind's sums as there (the other kind adds +0)
-    __m256d e0 = _mm256_loadu_pd(le), e1 = _mm256_loadu_pd(le + 4), lo = _mm256_setzero_pd();
-    __m256d a0 = _mm256_loadu_pd(la), a1 = _mm256_loadu_pd(la + 4);
-    auto four = [&](int64_t i, __m256d& es, __m256d& as) {
-      int32_t bytes;
-      std::memcpy(&bytes, e + t0 + i, 4);
-      const __m256d v = _mm256_loadu_pd(s + t0 + i);
-      const __m256d plain = _mm256_castsi256_pd(
-          _mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
-      es = _mm256_add_pd(es, _mm256_andnot_pd(plain, v));
-      as = _mm256_add_pd(as, _mm256_and_pd(plain, v));
-      lo = _mm256_or_pd(lo, _mm256_and_pd(_mm256_cmp_pd(v, _mm256_set1_pd(0x1p-1000), _CMP_LT_OQ),
-                                          _mm256_cmp_pd(_mm256_loadu_pd(shifted + i), _mm256_set1_pd(-760.0), _CMP_GT_OQ)));
-    };
-    for (; t + 8 <= m; t += 8) {
-      four(t, e0, a0);
-      four(t + 4, e1, a1);
-    }
-    _mm256_storeu_pd(le, e0);
-    _mm256_storeu_pd(le + 4, e1);
-    _mm256_storeu_pd(la, a0);
-    _mm256_storeu_pd(la + 4, a1);
-    low = low || _mm256_movemask_pd(lo) != 0;
-#endif
-    for (; t < m; ++t) {
+    for (int64_t t = 0; t < m; ++t) {
       low = low || (s[t0 + t] < 0x1p-1000 && shifted[t] > -760.0);
       (e[t0 + t] ? le : la)[t % 8] += s[t0 + t];
     }
@@ -1608,11 +1663,18 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     const Widths16 decide(rule);
 #endif
     int64_t by_unit = 0;  // the scalar loop below takes the units before this token (a group left open)
+    // A run that settle turned down is not tried again from each of its units (a try reads the run's
+    // probabilities: 16 tries per run where the vector loops below are missing, as on AVX2); its units get
+    // their own widths, which are 8 wherever settle's bound would have given 8.
+    int64_t unsettled = 0;
     for (int64_t t0 = 0; t0 < nv;) {
       const int64_t run = std::min<int64_t>(16 * span, nv - t0);
-      if (t0 >= by_unit && settle(t0, run)) {
-        t0 += run;
-        continue;
+      if (t0 >= by_unit && t0 >= unsettled) {
+        if (settle(t0, run)) {
+          t0 += run;
+          continue;
+        }
+        unsettled = t0 + run;
       }
 #if KVQ_AVX512
       if (blocks16 && t0 >= by_unit && t0 + 16 * span <= nv) {
