@@ -1180,7 +1180,6 @@ struct LinesAhead {
   }
 };
 
-#if KVQ_AVX512
 // O_est's exponents at both ends as signed bytes for least_gaps16; false where one lies outside its range.
 inline bool gap_offsets8(const std::vector<int16_t>& o_lo, const std::vector<int16_t>& o_hi, int D, int8_t* lo8,
                          int8_t* hi8) {
@@ -1191,6 +1190,8 @@ inline bool gap_offsets8(const std::vector<int16_t>& o_lo, const std::vector<int
   }
   return true;
 }
+
+#if KVQ_AVX512
 
 // The widths of 16 units (tokens, or the block rule's blocks) from their gaps and their largest probabilities
 // at both ends, as the scalar loop of rule_from_fp32 decides them: a unit no key reaches (largest 0) reads
@@ -1222,6 +1223,132 @@ struct Widths16 {
   }
 };
 
+// The largest of each of 8 vectors' 8 doubles, as lane i for vector i: pairs of vectors halved and merged
+// by 256-bit, 128-bit and 64-bit shuffles (as least_gaps16 reduces bytes), then put back in order.
+inline __m512d lane_maxima8(const __m512d* v) {
+  __m512d m[4], n[2];
+  for (int i = 0; i < 4; ++i)  // 256-bit halves: vector 2i's 4 partial maxima, then 2i+1's
+    m[i] = _mm512_max_pd(_mm512_shuffle_f64x2(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f64x2(v[2 * i], v[2 * i + 1], 0xee));
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: vectors 4i .. 4i+3, 2 partial maxima each
+    n[i] = _mm512_max_pd(_mm512_shuffle_f64x2(m[2 * i], m[2 * i + 1], 0x88),
+                         _mm512_shuffle_f64x2(m[2 * i], m[2 * i + 1], 0xdd));
+  // lanes: vectors (0, 4, 1, 5, 2, 6, 3, 7)
+  const __m512d x = _mm512_max_pd(_mm512_unpacklo_pd(n[0], n[1]), _mm512_unpackhi_pd(n[0], n[1]));
+  return _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), x);
+}
+
+#elif KVQ_AVX2
+// The AVX-512 width loops' 16 units on AVX2 (the same widths, tests and fallbacks): int32 gaps as two vectors
+// of 8 units, largest probabilities as four vectors of 4.
+struct Gaps16 {
+  __m256i v[2];
+};
+
+// least_gaps16 as on AVX-512, 32 bytes of a row a step; the 16 rows' byte minima reduced together (128-bit
+// halves, qwords, dwords, words, bytes), then put in unit order.
+template <bool FIELD>
+inline Gaps16 least_gaps16(const int8_t* o8, const uint8_t* rows, int64_t stride, int D) {
+  __m256i v[16];
+  for (int i = 0; i < 16; ++i) {
+    __m256i m = _mm256_set1_epi8(127);
+    for (int c = 0; c < D; c += 32) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + i * stride + c));
+      const __m256i field = FIELD ? _mm256_and_si256(_mm256_srli_epi16(x, 2), _mm256_set1_epi8(0x1f)) : x;
+      m = _mm256_min_epi8(m, _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o8 + c)), field));
+    }
+    v[i] = m;
+  }
+  __m256i u[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes: row 2i, row 2i+1
+    u[i] = _mm256_min_epi8(_mm256_permute2x128_si256(v[2 * i], v[2 * i + 1], 0x20),
+                           _mm256_permute2x128_si256(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 4; ++i)  // qwords: rows 4i, 4i+2 | 4i+1, 4i+3
+    w[i] = _mm256_min_epi8(_mm256_unpacklo_epi64(u[2 * i], u[2 * i + 1]), _mm256_unpackhi_epi64(u[2 * i], u[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {  // dwords: rows 8i + (0, 4, 2, 6 | 1, 5, 3, 7)
+    const __m256i p = _mm256_min_epi8(w[2 * i], _mm256_srli_epi64(w[2 * i], 32));
+    const __m256i q = _mm256_min_epi8(w[2 * i + 1], _mm256_srli_epi64(w[2 * i + 1], 32));
+    x[i] = _mm256_blend_epi32(p, _mm256_slli_epi64(q, 32), 0xaa);
+  }
+  const __m256i p = _mm256_min_epi8(x[0], _mm256_srli_epi32(x[0], 16));
+  const __m256i q = _mm256_min_epi8(x[1], _mm256_srli_epi32(x[1], 16));
+  __m256i d = _mm256_blend_epi16(p, _mm256_slli_epi32(q, 16), 0xaa);  // words: rows (0, 8, 4, 12, 2, 10, 6, 14 | 1, ...)
+  d = _mm256_min_epi8(d, _mm256_srli_epi16(d, 8));
+  d = _mm256_srai_epi16(_mm256_slli_epi16(d, 8), 8);  // each word's low byte, sign-extended
+  const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(d));       // rows 0, 8, 4, 12, 2, 10, 6, 14
+  const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(d, 1));  // rows 1, 9, 5, 13, 3, 11, 7, 15
+  const __m256i first = _mm256_setr_epi32(0, 0, 4, 4, 2, 2, 6, 6), second = _mm256_setr_epi32(1, 1, 5, 5, 3, 3, 7, 7);
+  return {{_mm256_blend_epi32(_mm256_permutevar8x32_epi32(lo, first), _mm256_permutevar8x32_epi32(hi, first), 0xaa),
+           _mm256_blend_epi32(_mm256_permutevar8x32_epi32(lo, second), _mm256_permutevar8x32_epi32(hi, second), 0xaa)}};
+}
+
+// Lanes 0, 2, 4, 6 (the low dwords of 4 qwords).
+inline __m128i low_dwords(__m256i x) {
+  return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0)));
+}
+
+// floor_log2 of 4 doubles >= 0 as int32 lanes, as the scalar floor_log2: the exponent field, a subnormal's
+// after scaling it by 2^64 (exact), ZERO_EXPONENT for 0.
+inline __m128i floor_log2_4(__m256d x) {
+  const __m256d small = _mm256_cmp_pd(x, _mm256_set1_pd(0x1p-1022), _CMP_LT_OQ);
+  const __m256d y = _mm256_blendv_pd(x, _mm256_mul_pd(x, _mm256_set1_pd(0x1p64)), small);
+  const __m128i field = low_dwords(_mm256_srli_epi64(_mm256_castpd_si256(y), 52));
+  const __m128i e = _mm_sub_epi32(_mm_sub_epi32(field, _mm_set1_epi32(1023)),
+                                  _mm_and_si128(low_dwords(_mm256_castpd_si256(small)), _mm_set1_epi32(64)));
+  const __m128i zero = low_dwords(_mm256_castpd_si256(_mm256_cmp_pd(x, _mm256_setzero_pd(), _CMP_EQ_OQ)));
+  return _mm_blendv_epi8(e, _mm_set1_epi32(ZERO_EXPONENT), zero);
+}
+
+struct Widths16 {
+  __m256 t8, t12;
+  int32_t w_none;
+  explicit Widths16(const AlignedRule& rule) : t8(_mm256_set1_ps(rule.t8)), t12(_mm256_set1_ps(rule.t12)) {
+    const float none = float(NO_CONTRIBUTION);
+    w_none = none >= rule.t8 ? 8 : none >= rule.t12 ? 12 : 16;
+  }
+  __m256i widths(__m256 gap) const {  // 8 / 12 / 16 as int32 lanes
+    const __m256i w = _mm256_blendv_epi8(_mm256_set1_epi32(16), _mm256_set1_epi32(12),
+                                         _mm256_castps_si256(_mm256_cmp_ps(gap, t12, _CMP_GE_OQ)));
+    return _mm256_blendv_epi8(w, _mm256_set1_epi32(8), _mm256_castps_si256(_mm256_cmp_ps(gap, t8, _CMP_GE_OQ)));
+  }
+  bool operator()(const Gaps16& g_lo, const Gaps16& g_hi, const __m256d* top_hi, const __m256d* top_lo,
+                  __m128i* out) const {
+    __m256i res[2];
+    for (int k = 0; k < 2; ++k) {
+      auto exponents = [&](const __m256d* top) {
+        return _mm256_set_m128i(floor_log2_4(top[2 * k + 1]), floor_log2_4(top[2 * k]));
+      };
+      auto seen4 = [](__m256d t) {
+        return low_dwords(_mm256_castpd_si256(_mm256_cmp_pd(t, _mm256_setzero_pd(), _CMP_NEQ_OQ)));
+      };
+      const __m256i seen = _mm256_set_m128i(seen4(top_hi[2 * k + 1]), seen4(top_hi[2 * k]));
+      const __m256i w = widths(_mm256_sub_ps(_mm256_cvtepi32_ps(g_lo.v[k]), _mm256_cvtepi32_ps(exponents(top_hi))));
+      const __m256i narrow = widths(_mm256_sub_ps(_mm256_cvtepi32_ps(g_hi.v[k]), _mm256_cvtepi32_ps(exponents(top_lo))));
+      if (!_mm256_testz_si256(seen, _mm256_xor_si256(w, narrow))) return false;
+      res[k] = _mm256_blendv_epi8(_mm256_set1_epi32(w_none), w, seen);
+    }
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(res[0], res[1]), 0xd8);
+    *out = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    return true;
+  }
+};
+
+// All ones in lane i where e[i] is 0 (a key scored in fp32), for i < 4.
+inline __m256d fp32_scored4(const uint8_t* e) {
+  int32_t bytes;
+  std::memcpy(&bytes, e, 4);
+  return _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
+}
+
+// The largest of each of 4 vectors' 4 doubles, as lane i for vector i (lane_maxima8's reduction on AVX2).
+inline __m256d lane_maxima4(const __m256d* v) {
+  const __m256d a = _mm256_max_pd(_mm256_unpacklo_pd(v[0], v[1]), _mm256_unpackhi_pd(v[0], v[1]));
+  const __m256d b = _mm256_max_pd(_mm256_unpacklo_pd(v[2], v[3]), _mm256_unpackhi_pd(v[2], v[3]));
+  return _mm256_max_pd(_mm256_permute2f128_pd(a, b, 0x20), _mm256_permute2f128_pd(a, b, 0x31));
+}
+#endif
+
+#if KVQ_BLOCKS
 // rule_from_fp32's width loop for the paper's rule (one width per token), 16 tokens at a time: the gaps by
 // least_gaps16 and each token's largest probability at both ends in vectors, the same widths and the same
 // test. A group with a token whose width differs between the ends has its tokens rescored in fp64
@@ -1252,8 +1379,9 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
     if (t0 + PFW + 16 <= nv)  // the rows PFW tokens ahead into L2: without it the loop waited on them
       for (int i = 0; i < 16; ++i)
         for (int c = 0; c < D; c += 64) __builtin_prefetch(rows + (PFW + i) * s.va.s2 + c, 0, 2);
-    const __m512i g_lo = least_gaps16<true>(lo8, rows, s.va.s2, D);
-    const __m512i g_hi = one_o ? g_lo : least_gaps16<true>(hi8, rows, s.va.s2, D);
+    const auto g_lo = least_gaps16<true>(lo8, rows, s.va.s2, D);
+    const auto g_hi = one_o ? g_lo : least_gaps16<true>(hi8, rows, s.va.s2, D);
+#if KVQ_AVX512
     __m512d top_hi[2], top_lo[2];
     auto tops = [&]() {  // each token's probability times its kind's factor, the largest over rows
       top_hi[0] = top_hi[1] = top_lo[0] = top_lo[1] = _mm512_setzero_pd();
@@ -1268,6 +1396,21 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
           top_lo[k] = _mm512_max_pd(top_lo[k], _mm512_mul_pd(p, fl));
         }
     };
+#else
+    __m256d top_hi[4], top_lo[4];
+    auto tops = [&]() {  // the same, 4 tokens a vector
+      for (int k = 0; k < 4; ++k) top_hi[k] = top_lo[k] = _mm256_setzero_pd();
+      for (int64_t r = 0; r < R; ++r)
+        for (int k = 0; k < 4; ++k) {
+          const int64_t t = t0 + 4 * k;
+          const __m256d p = _mm256_loadu_pd(S + r * L + t), plain = fp32_scored4(ex + r * L + t);
+          const __m256d fh = _mm256_blendv_pd(_mm256_set1_pd(hi_e[r]), _mm256_set1_pd(hi_a[r]), plain);
+          const __m256d fl = _mm256_blendv_pd(_mm256_set1_pd(lo_e[r]), _mm256_set1_pd(lo_a[r]), plain);
+          top_hi[k] = _mm256_max_pd(top_hi[k], _mm256_mul_pd(p, fh));
+          top_lo[k] = _mm256_max_pd(top_lo[k], _mm256_mul_pd(p, fl));
+        }
+    };
+#endif
     tops();
     __m128i w;
     if (!decide(g_lo, g_hi, top_hi, top_lo, &w)) {
@@ -1284,21 +1427,6 @@ inline bool token_widths16(const PlaneArgs& s, const AlignedRule& rule, int64_t 
   return true;
 }
 
-// The largest of each of 8 vectors' 8 doubles, as lane i for vector i: pairs of vectors halved and merged
-// by 256-bit, 128-bit and 64-bit shuffles (as least_gaps16 reduces bytes), then put back in order.
-inline __m512d lane_maxima8(const __m512d* v) {
-  __m512d m[4], n[2];
-  for (int i = 0; i < 4; ++i)  // 256-bit halves: vector 2i's 4 partial maxima, then 2i+1's
-    m[i] = _mm512_max_pd(_mm512_shuffle_f64x2(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f64x2(v[2 * i], v[2 * i + 1], 0xee));
-  for (int i = 0; i < 2; ++i)  // 128-bit lanes: vectors 4i .. 4i+3, 2 partial maxima each
-    n[i] = _mm512_max_pd(_mm512_shuffle_f64x2(m[2 * i], m[2 * i + 1], 0x88),
-                         _mm512_shuffle_f64x2(m[2 * i], m[2 * i + 1], 0xdd));
-  // lanes: vectors (0, 4, 1, 5, 2, 6, 3, 7)
-  const __m512d x = _mm512_max_pd(_mm512_unpacklo_pd(n[0], n[1]), _mm512_unpackhi_pd(n[0], n[1]));
-  return _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), x);
-}
-
 // The block rule's width loop in rule_from_fp32 for 16 blocks from token t0 (v_block a multiple of 8, D of 64,
 // gap offsets by gap_offsets8): the gaps of their exponent bytes by least_gaps16 and each block's largest
 // probability by lane_maxima8, the same widths and test as the scalar loop (-1: a block undecided). 0 without
@@ -1311,14 +1439,22 @@ inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64
                           const std::vector<double>& lo_a, uint8_t* wv) {
   const int span = int(rule.value_block), n = 16 * span;
   for (int64_t r = 0; r < R; ++r)
+#if KVQ_AVX512
     for (int t = 0; t < n; t += 64)
       if (_mm512_test_epi8_mask(_mm512_loadu_si512(ex + r * L + t0 + t), _mm512_set1_epi8(-1))) return 0;
+#else
+    for (int t = 0; t < n; t += 32) {
+      const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ex + r * L + t0 + t));
+      if (!_mm256_testz_si256(e, e)) return 0;
+    }
+#endif
   const uint8_t* rows = rule.v_exp.at(b, h, t0 / span);
   if (t0 + n * (1 + PFE) <= nv)  // the rows PFE groups ahead into L2 (v_block 8, D 128: 256 KiB an item at 16K)
     for (int i = 0; i < 16; ++i)
       for (int c = 0; c < D; c += 64) __builtin_prefetch(rows + (16 * PFE + i) * rule.v_exp.s2 + c, 0, 2);
-  const __m512i g_lo = least_gaps16<false>(lo8, rows, rule.v_exp.s2, D);
-  const __m512i g_hi = one_o ? g_lo : least_gaps16<false>(hi8, rows, rule.v_exp.s2, D);
+  const auto g_lo = least_gaps16<false>(lo8, rows, rule.v_exp.s2, D);
+  const auto g_hi = one_o ? g_lo : least_gaps16<false>(hi8, rows, rule.v_exp.s2, D);
+#if KVQ_AVX512
   __m512d top_hi[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, top_lo[2] = {top_hi[0], top_hi[1]};
   for (int64_t r = 0; r < R; ++r) {  // fp32-scored keys only: a block's largest probability times the row's factor
     const double* srow = S + r * L + t0;
@@ -1334,6 +1470,24 @@ inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64
       top_lo[k] = _mm512_max_pd(top_lo[k], _mm512_mul_pd(top, _mm512_set1_pd(lo_a[r])));
     }
   }
+#else
+  __m256d top_hi[4], top_lo[4];
+  for (int k = 0; k < 4; ++k) top_hi[k] = top_lo[k] = _mm256_setzero_pd();
+  for (int64_t r = 0; r < R; ++r) {  // the same, 4 blocks a vector
+    const double* srow = S + r * L + t0;
+    for (int k = 0; k < 4; ++k) {
+      __m256d v[4];
+      for (int i = 0; i < 4; ++i) {
+        const double* x = srow + (4 * k + i) * span;
+        v[i] = _mm256_loadu_pd(x);
+        for (int t = 4; t < span; t += 4) v[i] = _mm256_max_pd(v[i], _mm256_loadu_pd(x + t));
+      }
+      const __m256d top = lane_maxima4(v);
+      top_hi[k] = _mm256_max_pd(top_hi[k], _mm256_mul_pd(top, _mm256_set1_pd(hi_a[r])));
+      top_lo[k] = _mm256_max_pd(top_lo[k], _mm256_mul_pd(top, _mm256_set1_pd(lo_a[r])));
+    }
+  }
+#endif
   __m128i w;
   if (!decide(g_lo, g_hi, top_hi, top_lo, &w)) return -1;
   alignas(16) uint8_t w16[16];
@@ -1341,6 +1495,7 @@ inline int block_widths16(const AlignedRule& rule, const Widths16& decide, int64
   for (int i = 0; i < 16; ++i) std::memset(wv + t0 + i * span, w16[i], size_t(span));
   return 1;
 }
+
 #endif
 
 // Counts of items decided from fp32 scores, of those that needed the fp64 path, and of the fp32 ones decided only
@@ -1646,7 +1801,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   auto widths = [&]() -> bool {  // every unit's width; false where one stays open
     settled = 0;
     if (by_bound) g_bound = least_gap<false>(o_lo.data(), v_max, D);
-#if KVQ_AVX512
+#if KVQ_BLOCKS
     if (rule.value_block == 0) {
       bool undecided = false;
       if (token_widths16(f.s, rule, b, h, o_lo, o_hi, one_o, S, ex.data(), L, R, D, hi_e, hi_a, lo_e, lo_a, wv,
@@ -1664,7 +1819,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
 #endif
     int64_t by_unit = 0;  // the scalar loop below takes the units before this token (a group left open)
     // A run that settle turned down is not tried again from each of its units (a try reads the run's
-    // probabilities: 16 tries per run where the vector loops below are missing, as on AVX2); its units get
+    // probabilities: up to 16 tries per run where the 16-unit loop below does not apply); its units get
     // their own widths, which are 8 wherever settle's bound would have given 8.
     int64_t unsettled = 0;
     for (int64_t t0 = 0; t0 < nv;) {
@@ -1676,7 +1831,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
         }
         unsettled = t0 + run;
       }
-#if KVQ_AVX512
+#if KVQ_BLOCKS
       if (blocks16 && t0 >= by_unit && t0 + 16 * span <= nv) {
         const int done =
             block_widths16(rule, decide, b, h, t0, nv, lo8, hi8, one_o, S, ex.data(), L, R, D, hi_a, lo_a, wv);
