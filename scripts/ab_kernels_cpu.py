@@ -2,6 +2,7 @@
 
     python scripts/ab_kernels_cpu.py --base 250e5c0          # a commit's kernels (A) against the working tree's (B)
     python scripts/ab_kernels_cpu.py --base HEAD~3 --shapes "9q/3kv x 64" --contexts 16384 --repeats 15
+    python scripts/ab_kernels_cpu.py --base HEAD~1 --cases fp16,kivi2,gear2 --shapes "32q/32kv x 128"
 
 A is ``kernels_cpu/`` as it is at ``--base`` (``git archive``), or as it is in ``--base-dir`` (a folder holding a
 ``kernels_cpu`` package); B is the working tree's. Each is built into the kernels' cache, whose key hashes the
@@ -10,9 +11,10 @@ Python wrappers call one or the other (``kernels_cpu.loader._module``): the two 
 
 For each shape and context, on the inputs of ``bench_kernels_cpu.py --planes``: fused fp16 (``fp16``), AlignedKV's
 planes read whole at 8 and 16 bits (``u8``, ``u16``), the paper's step (``st1``), the block rule's (``bk32``) and
-AlignedKV+'s with it (``pb8``). Columns: ``A ms`` and ``B ms`` (medians, caches flushed before each call as in
-``bench_kernels_cpu.py``), ``B/A``, and ``outputs``: ``same`` where every tensor a call returns (attention
-outputs, widths) is bit for bit A's, else the largest difference.
+AlignedKV+'s with it (``pb8``); with ``--cases``, also KIVI's and GEAR's stores of ``bench_kernels_cpu.py``
+(``kivi2``, ``kivi4``, ``gear2``, ``gear4``: random codes of the same shape). Columns: ``A ms`` and ``B ms``
+(medians, caches flushed before each call as in ``bench_kernels_cpu.py``), ``B/A``, and ``outputs``: ``same`` where
+every tensor a call returns (attention outputs, widths) is bit for bit A's, else the largest difference.
 
 Why one process: on a shared machine two runs of one build differ by up to ~10%, more than most changes a kernel
 edit makes; A's and B's calls are interleaved, so the machine's drift weighs on both alike and their ratio holds.
@@ -43,7 +45,8 @@ import bench_kernels_cpu as bench  # noqa: E402
 import kernels_cpu  # noqa: E402
 from kernels_cpu import loader  # noqa: E402
 
-CASES = ("fp16", "u8", "u16", "st1", "bk32", "pb8")
+PLANES = ("fp16", "u8", "u16", "st1", "bk32", "pb8")
+CASES = PLANES + ("kivi2", "kivi4", "gear2", "gear4")
 # Run in a child whose kernels_cpu is A's: builds it (or finds it built) and prints its .so's path.
 BUILD = """
 import kernels_cpu.loader as L
@@ -94,25 +97,31 @@ def load(so: Path) -> ModuleType:
     return loader._import(so, so.stem)
 
 
-def cases(hq: int, hkv: int, d: int, length: int) -> dict:
-    """The calls compared, each a function of no arguments returning a tensor or a tuple of them."""
+def cases(hq: int, hkv: int, d: int, length: int, names: tuple[str, ...] = PLANES) -> dict:
+    """The calls compared (of CASES), each a function of no arguments returning a tensor or a tuple of them."""
     q, k, v, store = bench.planes_inputs(hq, hkv, d, length)
-    wk1, _ = bench.rule_widths(q, store, 1)
-    _, _, _, kept = bench.planes_inputs(hq, hkv, d, length, value_block=32)
-    wk32, _ = bench.rule_widths(q, kept, 32, "block")
-    _, _, _, plus = bench.planes_inputs(hq, hkv, d, length, value_block=8, block_exponents=True)
-    wk8, _ = bench.rule_widths(q, plus, 8, "block", blockwise=True)
-    v8 = bench.v8_magnitudes()
-    return {
+    fns = {
         "fp16": lambda: kernels_cpu.attend_fp16(q, k, v),
         "u8": lambda: kernels_cpu.attend_planes(q, store, k_widths=8, v_widths=8),
         "u16": lambda: kernels_cpu.attend_planes(q, store, k_widths=16, v_widths=16),
-        "st1": lambda: kernels_cpu.attend_aligned(
-            q, store, k_widths=wk1, v8=v8, v_thresholds=(4, 8), topk=32, v_block=1
-        ),
-        "bk32": bench.block_rule_step(q, kept, wk32, 32),
-        "pb8": bench.block_rule_step(q, plus, wk8, 8),
     }
+    if "st1" in names:
+        wk1, _ = bench.rule_widths(q, store, 1)
+        fns["st1"] = lambda: kernels_cpu.attend_aligned(
+            q, store, k_widths=wk1, v8=bench.v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=1
+        )
+    if "bk32" in names:
+        _, _, _, kept = bench.planes_inputs(hq, hkv, d, length, value_block=32)
+        fns["bk32"] = bench.block_rule_step(q, kept, bench.rule_widths(q, kept, 32, "block")[0], 32)
+    if "pb8" in names:
+        _, _, _, plus = bench.planes_inputs(hq, hkv, d, length, value_block=8, block_exponents=True)
+        fns["pb8"] = bench.block_rule_step(q, plus, bench.rule_widths(q, plus, 8, "block", blockwise=True)[0], 8)
+    for name, make, kernel in (("kivi", bench.kivi_store, "attend_kivi"), ("gear", bench.gear_store, "attend_gear")):
+        for bits in (2, 4):
+            if f"{name}{bits}" in names:
+                codes = make(hkv, length, d, bits)
+                fns[f"{name}{bits}"] = lambda codes=codes, kernel=kernel: getattr(kernels_cpu, kernel)(q, **codes)
+    return {name: fns[name] for name in names}
 
 
 def on(module: ModuleType, fn):
@@ -140,9 +149,11 @@ def difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
     return f"max |B-A| {max(float((x.double() - y.double()).abs().max()) for x, y in pairs):.2e}"
 
 
-def compare(a: ModuleType, b: ModuleType, hq: int, hkv: int, d: int, length: int, repeats: int, flush) -> list:
-    """``(case, A ms, B ms, outputs)`` for each of CASES."""
-    fns = cases(hq, hkv, d, length)
+def compare(
+    a: ModuleType, b: ModuleType, hq: int, hkv: int, d: int, length: int, repeats: int, flush, names: tuple[str, ...]
+) -> list:
+    """``(case, A ms, B ms, outputs)`` for each case named."""
+    fns = cases(hq, hkv, d, length, names)
     outputs = {name: difference(tensors(on(a, fn)()), tensors(on(b, fn)())) for name, fn in fns.items()}
     timed = {f"{name} {tag}": on(m, fn) for name, fn in fns.items() for tag, m in (("A", a), ("B", b))}
     try:
@@ -162,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--warm", dest="cold", action="store_false", help="do not flush the caches between calls")
+    parser.add_argument("--cases", default=",".join(PLANES), help=f"comma-separated, of: {', '.join(CASES)}")
     args = parser.parse_args(argv)
+    names = tuple(name.strip() for name in args.cases.split(","))
+    if unknown := [name for name in names if name not in CASES]:
+        print(f"error: unknown case {unknown[0]!r}; known: {', '.join(CASES)}", file=sys.stderr)
+        return 2
     try:
         shapes = [(name.strip(), bench.SHAPES[name.strip()]) for name in args.shapes.split(",")]
     except KeyError as exc:
@@ -187,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'shape':<15} {'ctx':>6} {'case':<5} {'A ms':>8} {'B ms':>8} {'B/A':>6}  outputs")
     for name, (hq, hkv, d) in shapes:
         for length in (int(c) for c in args.contexts.split(",")):
-            for case, ta, tb, same in compare(a, b, hq, hkv, d, length, args.repeats, flush):
+            for case, ta, tb, same in compare(a, b, hq, hkv, d, length, args.repeats, flush, names):
                 print(f"{name:<15} {length:>6} {case:<5} {ta:>8.3f} {tb:>8.3f} {tb / ta:>6.3f}  {same}", flush=True)
     return 0
 

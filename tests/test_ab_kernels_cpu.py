@@ -20,6 +20,7 @@ def test_the_working_tree_against_itself_gives_every_case_the_same_outputs(built
     child process that builds A imports the kernels from the folder given, and the wrappers are left on B."""
     ab = load_script()
     args = ["--base-dir", str(ROOT), "--contexts", "300", "--repeats", "1", "--warm", "--shapes", "9q/3kv x 64"]
+    args += ["--cases", ",".join(ab.CASES)]  # 300 tokens: KIVI's and GEAR's codes are read too (128-token window)
     assert ab.main(args) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("9q")]
@@ -54,6 +55,8 @@ def test_a_base_that_cannot_be_read_or_built_is_one_error_line(built, capsys, tm
     assert err == [f"error: {tmp_path} holds no kernels_cpu package (kernels_cpu/loader.py)"]
     assert ab.main(["--base-dir", str(tmp_path), "--shapes", "7q x 3"]) == 2
     assert "unknown shape" in capsys.readouterr().err
+    assert ab.main(["--base-dir", str(tmp_path), "--cases", "fp16,kivi3"]) == 2
+    assert "unknown case 'kivi3'" in capsys.readouterr().err
 
 
 def test_the_base_is_built_from_its_own_folder(built, tmp_path):
