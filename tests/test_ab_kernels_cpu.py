@@ -1,24 +1,15 @@
 """``scripts/ab_kernels_cpu.py``: two kernel builds in one process (timing itself is never asserted)."""
 
-import importlib.util
-
 import torch
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 from kernels_cpu import loader
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("ab_kernels_cpu", ROOT / "scripts" / "ab_kernels_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_working_tree_against_itself_gives_every_case_the_same_outputs(built, capsys):
     """A build compared with itself: one row per case, each bit for bit the same, both times measured; the
     child process that builds A imports the kernels from the folder given, and the wrappers are left on B."""
-    ab = load_script()
+    ab = load_script("ab_kernels_cpu")
     args = ["--base-dir", str(ROOT), "--contexts", "300", "--repeats", "1", "--warm", "--shapes", "9q/3kv x 64"]
     args += ["--cases", ",".join(ab.CASES)]  # 300 tokens: KIVI's and GEAR's codes are read too (128-token window)
     assert ab.main(args) == 0
@@ -33,7 +24,7 @@ def test_the_working_tree_against_itself_gives_every_case_the_same_outputs(built
 
 
 def test_differences_are_reported_not_hidden():
-    ab = load_script()
+    ab = load_script("ab_kernels_cpu")
     a = [torch.tensor([1.0, 2.0]), torch.tensor([8], dtype=torch.uint8)]
     assert ab.difference(a, [x.clone() for x in a]) == "same"
     assert ab.difference(a, [a[0] + 0.5, a[1]]) == "max |B-A| 5.00e-01"
@@ -46,7 +37,7 @@ def test_differences_are_reported_not_hidden():
 
 
 def test_a_base_that_cannot_be_read_or_built_is_one_error_line(built, capsys, tmp_path):
-    ab = load_script()
+    ab = load_script("ab_kernels_cpu")
     assert ab.main(["--base", "no-such-revision-xyz"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: cannot read kernels_cpu/ at 'no-such-revision-xyz'")
@@ -64,6 +55,6 @@ def test_the_base_is_built_from_its_own_folder(built, tmp_path):
     child started in it would find first), and as its sources are the same, finds the same build."""
     import shutil
 
-    ab = load_script()
+    ab = load_script("ab_kernels_cpu")
     shutil.copytree(ROOT / "kernels_cpu", tmp_path / "kernels_cpu", ignore=shutil.ignore_patterns("__pycache__"))
     assert ab.build_at(tmp_path) == loader.build_dir() / f"{loader.module_name(loader.build_key())}.so"

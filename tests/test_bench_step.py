@@ -1,24 +1,17 @@
 """``scripts/bench_step.py``: whole decode steps on a random-weight model of a layout, a row per method
 beside DynamicCache's (timing itself is never asserted: benchmarks report ratios measured in one run)."""
 
-import importlib.util
-
 import pytest
-from conftest import ROOT
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_step", ROOT / "scripts" / "bench_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_rows_per_cell_with_ratios_to_dynamic_cache_and_fp16(capsys, tmp_path):
     out = tmp_path / "step.md"
     args = ["--layout", "stories260k", "--contexts", "64,200", "--batches", "2", "--layers", "2"]
     assert (
-        load_script().main([*args, "--methods", "fp16,truncation,kivi2@torch", "--repeats", "1", "--out", str(out)])
+        load_script("bench_step").main(
+            [*args, "--methods", "fp16,truncation,kivi2@torch", "--repeats", "1", "--out", str(out)]
+        )
         == 0
     )
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()[4:]]
@@ -46,7 +39,7 @@ def test_rows_per_cell_with_ratios_to_dynamic_cache_and_fp16(capsys, tmp_path):
     ],
 )
 def test_bad_names_exit_2_with_one_line(capsys, args, message):
-    assert load_script().main(args) == 2
+    assert load_script("bench_step").main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1
 
@@ -55,7 +48,9 @@ def test_a_profiled_method_prints_one_steps_operators_and_rows_count_them(capsys
     """``--profile``: one more step of the named methods under torch.profiler, printed after the cell; every
     row counts the torch operators a step dispatched per layer (``kernels/layer`` blank: no CuPy here)."""
     args = ["--layout", "stories260k", "--contexts", "64", "--layers", "2", "--repeats", "1"]
-    assert load_script().main([*args, "--methods", "fp16@torch", "--profile", "DynamicCache,fp16@torch"]) == 0
+    assert (
+        load_script("bench_step").main([*args, "--methods", "fp16@torch", "--profile", "DynamicCache,fp16@torch"]) == 0
+    )
     out = capsys.readouterr().out
     assert out.count("one step's operators by host time") == 2 and "Self CPU" in out
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if "| stories260k |" in line]
