@@ -911,6 +911,13 @@ inline __mmask8 lanes8(int64_t left) { return __mmask8(left >= 8 ? 0xff : (1u <<
 inline __mmask8 marked8(const uint8_t* e, __mmask8 m) {
   return _mm512_test_epi64_mask(_mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8(m, e)), _mm512_set1_epi64(0xff));
 }
+#elif KVQ_AVX2
+// All ones in lane i where e[i] is 0 (a key scored in fp32), for i < 4.
+inline __m256d fp32_scored4(const uint8_t* e) {
+  int32_t bytes;
+  std::memcpy(&bytes, e, 4);
+  return _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
+}
 #endif
 
 // min over c < D of o[c] - e(x[c]) in int16, e the byte itself (the block rule's exponent bytes) or plane A's
@@ -1016,10 +1023,7 @@ inline void largest_by_kind(const double* x, const uint8_t* e, int64_t n, double
 #if KVQ_AVX2  // the same maxima 4 lanes at a time (a max is exact in any order); the other kind's lanes see +0
   __m256d ve = _mm256_setzero_pd(), va = ve;
   for (; t + 4 <= n; t += 4) {
-    int32_t bytes;
-    std::memcpy(&bytes, e + t, 4);
-    const __m256d v = _mm256_loadu_pd(x + t), plain = _mm256_castsi256_pd(
-        _mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
+    const __m256d v = _mm256_loadu_pd(x + t), plain = fp32_scored4(e + t);
     ve = _mm256_max_pd(_mm256_andnot_pd(plain, v), ve);
     va = _mm256_max_pd(_mm256_and_pd(plain, v), va);
   }
@@ -1071,10 +1075,7 @@ inline bool exp_by_kind(double* s, const uint8_t* e, int64_t n, double mx, doubl
     exp4<4>(v);
     for (int i = 0; i < 4; ++i) {
       _mm256_storeu_pd(s + t + 4 * i, v[i]);
-      int32_t bytes;
-      std::memcpy(&bytes, e + t + 4 * i, 4);
-      const __m256d plain = _mm256_castsi256_pd(
-          _mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
+      const __m256d plain = fp32_scored4(e + t + 4 * i);
       __m256d& es = i % 2 ? e1 : e0;
       __m256d& as = i % 2 ? a1 : a0;
       es = _mm256_add_pd(es, _mm256_andnot_pd(plain, v[i]));
@@ -1333,12 +1334,6 @@ struct Widths16 {
   }
 };
 
-// All ones in lane i where e[i] is 0 (a key scored in fp32), for i < 4.
-inline __m256d fp32_scored4(const uint8_t* e) {
-  int32_t bytes;
-  std::memcpy(&bytes, e, 4);
-  return _mm256_castsi256_pd(_mm256_cmpeq_epi64(_mm256_cvtepu8_epi64(_mm_cvtsi32_si128(bytes)), _mm256_setzero_si256()));
-}
 
 // The largest of each of 4 vectors' 4 doubles, as lane i for vector i (lane_maxima8's reduction on AVX2).
 inline __m256d lane_maxima4(const __m256d* v) {
