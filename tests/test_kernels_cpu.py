@@ -428,6 +428,41 @@ def test_rule_from_fp32_scores_decides_the_fp64_widths(built, threads, shape, ru
     assert torch.equal(wv, exact_wv)
 
 
+@pytest.mark.parametrize("rule", ["paper", "block32"])
+@pytest.mark.parametrize("length", [300, 1000])
+def test_a_probability_near_underflow_sends_the_item_to_fp64(built, length, rule):
+    """One key scores ~720 above the rest (their exp(s - max) below 2^-1000, s - max above -760: probabilities the
+    fp32 bounds do not cover, near and in the subnormal range): the fp32 path gives the item up and it is scored
+    in fp64 whole, with exact_scores' widths. ~880 above, every other probability is 0 at both ends and the fp32
+    path decides. This is the exp pass's underflow test (its vector code on AVX2 and AVX-512)."""
+    from kvquant.alignment import high_byte_values
+    from kvquant.formats.planes import PlaneStore
+
+    g = torch.Generator().manual_seed(length)
+    d = 64
+    k = torch.randn(1, 1, length, d, generator=g)
+    k[0, 0, 5] = 0.0
+    k[0, 0, 5, 0] = 64.0
+    v = torch.randn(1, 1, length, d, generator=g)
+    block = rule == "block32"
+    store = PlaneStore(value_block=32 if block else 0)
+    store.append(k.half(), v.half())
+    v8 = high_byte_values(torch.arange(256, dtype=torch.uint8))
+    kw = dict(k_widths=torch.full((1, 1, d), 12, dtype=torch.uint8), v8=v8, v_thresholds=(4.0, 8.0), topk=32)
+    kw |= dict(v_block=32 if block else 1, block_rule=block)
+    for a, fp64 in ((90.0, 1), (110.0, 0)):  # the sink's lead: a * 64 / 8 = 720, 880
+        q = torch.zeros(1, 1, 1, d)
+        q[..., 0] = a
+        q[..., 1:] = 0.01 * torch.randn(d - 1, generator=g)
+        before = kernels_cpu.aligned_rule_counts()
+        out, wv = kernels_cpu.attend_aligned(q, store, **kw)
+        after = kernels_cpu.aligned_rule_counts()
+        assert (after[0] - before[0], after[1] - before[1]) == (1 - fp64, fp64), a
+        exact_out, exact_wv = kernels_cpu.attend_aligned(q, store, exact_scores=True, **kw)
+        assert torch.equal(wv, exact_wv)
+        assert_close(out, exact_out.double())
+
+
 @pytest.mark.parametrize("rule", ["paper", "block8", "block32"])
 @pytest.mark.parametrize("hq,hkv,d,length", [(4, 4, 128, 1100), (6, 2, 64, 1500)])
 def test_rule_from_fp32_rescores_the_units_its_bounds_leave_open(built, threads, hq, hkv, d, length, rule):
