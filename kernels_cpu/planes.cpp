@@ -1181,6 +1181,10 @@ struct LinesAhead {
   }
 };
 
+// The width a value unit reads at this binade gap between e(O_est) and its exponents, less its probability's
+// (kvquant.alignment's tiers: 8 at t8 or more, 12 at t12 or more, else 16).
+inline uint8_t gap_width(const AlignedRule& rule, float gap) { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; }
+
 // O_est's exponents at both ends as signed bytes for least_gaps16; false where one lies outside its range.
 inline bool gap_offsets8(const std::vector<int16_t>& o_lo, const std::vector<int16_t>& o_hi, int D, int8_t* lo8,
                          int8_t* hi8) {
@@ -1201,8 +1205,7 @@ struct Widths16 {
   __m512 t8, t12;
   int32_t w_none;
   explicit Widths16(const AlignedRule& rule) : t8(_mm512_set1_ps(rule.t8)), t12(_mm512_set1_ps(rule.t12)) {
-    const float none = float(NO_CONTRIBUTION);
-    w_none = none >= rule.t8 ? 8 : none >= rule.t12 ? 12 : 16;
+    w_none = gap_width(rule, float(NO_CONTRIBUTION));
   }
   __m512i widths(__m512 gap) const {  // 8 / 12 / 16 as int32 lanes
     const __m512i w = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(gap, t12, _CMP_GE_OQ), _mm512_set1_epi32(16),
@@ -1304,8 +1307,7 @@ struct Widths16 {
   __m256 t8, t12;
   int32_t w_none;
   explicit Widths16(const AlignedRule& rule) : t8(_mm256_set1_ps(rule.t8)), t12(_mm256_set1_ps(rule.t12)) {
-    const float none = float(NO_CONTRIBUTION);
-    w_none = none >= rule.t8 ? 8 : none >= rule.t12 ? 12 : 16;
+    w_none = gap_width(rule, float(NO_CONTRIBUTION));
   }
   __m256i widths(__m256 gap) const {  // 8 / 12 / 16 as int32 lanes
     const __m256i w = _mm256_blendv_epi8(_mm256_set1_epi32(16), _mm256_set1_epi32(12),
@@ -1702,7 +1704,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
     one_o = o_lo == o_hi;
   };
   o_bounds();
-  auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
+  auto width = [&](float gap) { return gap_width(rule, gap); };
   const int64_t span = rule.value_block > 0 ? rule.value_block : 1;  // tokens sharing one width
   // Where a unit's width differs between the ends of its probability's bounds, its block tokens get their fp64
   // scores (as the contenders did): exp(s - max) / z with the row's max and sum, whose bounds hold for any mix
@@ -2043,7 +2045,7 @@ void aligned_item(const PlanesFormat<NC>& f, const Problem& P, const AlignedRule
         for (int64_t r = 0; r < R; ++r) e = S[r * L + t] == 0.0 ? ZERO_EXPONENT : e;
       return e;
     };
-    auto width = [&](float gap) -> uint8_t { return gap >= rule.t8 ? 8 : gap >= rule.t12 ? 12 : 16; };
+    auto width = [&](float gap) { return gap_width(rule, gap); };
     if (rule.value_block > 0) {  // the block rule: one gap per block, from its exponent bytes, no plane-A pass
       for (int64_t t0 = 0; t0 < nv; t0 += rule.value_block) {
         const uint8_t* ex = rule.v_exp.at(b, h, t0 / rule.value_block);
