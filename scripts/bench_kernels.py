@@ -24,7 +24,8 @@ calls (host work included: what a Python loop pays) or, with ``--graph``, of CUD
 Bytes: ``KV MB`` counts what the kernels load from the planes at the widths they chose, plus the
 fp16 tail and metadata; ``all MB`` adds the fp32 score traffic (logits, softmax, top-k, SV). GB/s
 is all bytes over time, ``%copy`` that against a device-to-device copy measured in the same run
-(counted as bytes read + written). Needs only torch, numpy and cupy.
+(counted as bytes read + written). Below the table, issue 32's GPU targets for the block rule (``targets``:
+PASS / FAIL / not measured, the worst row each). Needs only torch, numpy and cupy.
 """
 
 from __future__ import annotations
@@ -294,6 +295,55 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TARGET_SHAPE = "llama2_7b"
+
+
+def targets(rows: list[dict]) -> str:
+    """Issue 32's GPU targets read off ``rows``, for the block rule on each pair of QK / SV kernels (``block``,
+    ``block_w``) at the Llama-2-7B shape: at >= 32K tokens and batch 8, a time <= 0.87x SDPA's and >= 75% of the
+    copy bandwidth (``%copy``: the K/V bytes at the chosen widths plus the score traffic); at 4K and batch 1, a
+    time <= 2x SDPA's. Each verdict is the worst of its rows; with no measured row it says so (a target whose
+    rows were not measured has not been met)."""
+    lines = [f"issue 32's GPU targets for the block rule at the {TARGET_SHAPE} shape (the worst row of the table):", ""]
+    for name in ("block", "block_w"):
+        timed = [r for r in rows if r.get("shape") == TARGET_SHAPE and f"{name} ms" in r and "sdpa ms" in r]
+        large = [r for r in timed if r["batch"] == 8 and r["context"] >= 32768]
+        small = [r for r in timed if r["batch"] == 1 and r["context"] == 4096]
+        checks = [
+            _verdict(
+                "time <= 0.87x SDPA's at >= 32K, batch 8",
+                [(r[f"{name} ms"] / r["sdpa ms"], r["context"]) for r in large],
+                max,
+                lambda x: x <= 0.87,
+                "{:.2f}x",
+            ),
+            _verdict(
+                ">= 75% of the copy bandwidth there",
+                [(r[f"{name} %copy"], r["context"]) for r in large if f"{name} %copy" in r],
+                min,
+                lambda x: x >= 75,
+                "{:.0f}%",
+            ),
+            _verdict(
+                "time <= 2x SDPA's at 4K, batch 1",
+                [(r[f"{name} ms"] / r["sdpa ms"], r["context"]) for r in small],
+                max,
+                lambda x: x <= 2,
+                "{:.2f}x",
+            ),
+        ]
+        lines.append(f"- `{name}`: " + "; ".join(checks))
+    return "\n".join(lines)
+
+
+def _verdict(what: str, values: list[tuple[float, int]], worst, ok, fmt: str) -> str:
+    """``what: PASS (value at context)`` for the worst of ``values`` ((value, context) pairs), or not measured."""
+    if not values:
+        return f"{what}: not measured"
+    value, context = worst(values)
+    return f"{what}: {'PASS' if ok(value) else 'FAIL'} ({fmt.format(value)} at {context // 1024}K)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
@@ -368,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         f"\n\nkernels per step, {r['shape']} batch {r['batch']} context {r['context']}:\n\n{kernel_table(r['kernels'])}"
         for r in profiled
     )
+    verdicts = f"\n\n{targets(rows)}" if "block" in methods or "block_w" in methods else ""
     if args.out:
-        args.out.write_text(f"{header}\n\n{table(rows)}{kernels}\n")
-    print(f"\n{header}\n\n{table(rows)}{kernels}")
+        args.out.write_text(f"{header}\n\n{table(rows)}{verdicts}{kernels}\n")
+    print(f"\n{header}\n\n{table(rows)}{verdicts}{kernels}")
     if not any("sdpa ms" in row for row in rows):  # a check that measured nothing has not passed
         print("error: no configuration was measured (time budget or out of memory)", file=sys.stderr)
         return 1

@@ -16,7 +16,8 @@
 # The benchmarks are reduced versions of issues 32 and 33's: attention only, SDPA vs the paper's rule vs
 # the block rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes
 # read and % of the copy bandwidth measured in the same run, the block rule and the control also on the warp QK
-# kernel and byte-permute SV reads (opt-in until validated here), and the kernels one step runs at batch 8,
+# kernel and byte-permute SV reads (opt-in until validated here), issue 32's GPU targets read off each table
+# (PASS / FAIL / not measured, block and block_w), and the kernels one step runs at batch 8,
 # 32K (scripts/bench_kernels.py); the same at 4K and 32K as CUDA-graph replays (device time, no host work);
 # and whole decode steps on a random-weight Llama-2-7B layout at 4K and 32K,
 # each cache against DynamicCache (each named with its backend, `kivi2@torch` beside `kivi2@cupy`: `auto` picks

@@ -302,6 +302,33 @@ def test_bench_table_keeps_notes_in_their_column():
     assert cells[1][-1] == "skipped: time budget" and cells[1][header.index("sdpa ms")] == ""
 
 
+def test_bench_reads_issue_32_targets_off_its_rows():
+    """Issue 32's GPU targets below the benchmark's table: per kernel pair the worst row of each target, PASS at
+    the bound itself and FAIL past it; not measured where no row was timed (a skipped configuration, another
+    shape's rows)."""
+    from conftest import load_script
+
+    bench = load_script("bench_kernels")
+    big = {"shape": "llama2_7b", "batch": 8}
+    rows = [
+        big | {"context": 32768, "sdpa ms": 1.0, "block ms": 0.87, "block %copy": 75.0, "block_w ms": 0.5},
+        big | {"context": 65536, "sdpa ms": 2.0, "block ms": 1.6, "block %copy": 80.0, "block_w ms": 1.9},
+        {"shape": "llama2_7b", "batch": 1, "context": 4096, "sdpa ms": 0.1, "block ms": 0.2, "block_w ms": 0.21},
+        {"shape": "llama3_8b", "batch": 8, "context": 32768, "sdpa ms": 1.0, "block ms": 9.0, "block_w ms": 9.0},
+        big | {"context": 131072, "note": "skipped: time budget"},
+    ]
+    rows[0]["block_w %copy"], rows[1]["block_w %copy"] = 90.0, 74.0
+    lines = bench.targets(rows).splitlines()
+    block, block_w = (next(line for line in lines if line.startswith(f"- `{name}`:")) for name in ("block", "block_w"))
+    assert "SDPA's at >= 32K, batch 8: PASS (0.87x at 32K)" in block  # the worse of 0.87x and 0.80x
+    assert "copy bandwidth there: PASS (75% at 32K)" in block
+    assert "SDPA's at 4K, batch 1: PASS (2.00x at 4K)" in block
+    assert "SDPA's at >= 32K, batch 8: FAIL (0.95x at 64K)" in block_w
+    assert "copy bandwidth there: FAIL (74% at 64K)" in block_w
+    assert "SDPA's at 4K, batch 1: FAIL (2.10x at 4K)" in block_w
+    assert bench.targets(rows[3:]).count(": not measured") == 6
+
+
 def test_bench_lists_the_kernels_of_a_step():
     """The benchmark's per-step kernel list: calls and time per step, and a total row per method (on a CPU
     the profiler's CPU ops stand in for the device kernels)."""
