@@ -296,44 +296,41 @@ def table(rows: list[dict]) -> str:
 
 
 TARGET_SHAPE = "llama2_7b"
+#: issue 32's GPU targets: (what, rows: "large" (>= 32K, batch 8) or "small" (4K, batch 1), the value read ("ratio":
+#: time over SDPA's, "%copy"), which row is the worst, the bound, the value's format)
+TARGETS = (
+    ("time <= 0.87x SDPA's at >= 32K, batch 8", "large", "ratio", max, lambda x: x <= 0.87, "{:.2f}x"),
+    (">= 75% of the copy bandwidth there", "large", "%copy", min, lambda x: x >= 75, "{:.0f}%"),
+    ("time <= 2x SDPA's at 4K, batch 1", "small", "ratio", max, lambda x: x <= 2, "{:.2f}x"),
+)
 
 
 def targets(rows: list[dict]) -> str:
-    """Issue 32's GPU targets read off ``rows``, for the block rule on each pair of QK / SV kernels (``block``,
-    ``block_w``) at the Llama-2-7B shape: at >= 32K tokens and batch 8, a time <= 0.87x SDPA's and >= 75% of the
-    copy bandwidth (``%copy``: the K/V bytes at the chosen widths plus the score traffic); at 4K and batch 1, a
-    time <= 2x SDPA's. Each verdict is the worst of its rows; with no measured row it says so (a target whose
-    rows were not measured has not been met)."""
+    """Issue 32's GPU targets (``TARGETS``) read off ``rows``, for the block rule on each pair of QK / SV kernels
+    (``block``, ``block_w``) at the Llama-2-7B shape; ``%copy`` counts the K/V bytes at the chosen widths plus the
+    score traffic. Each verdict is the worst of its rows; with no measured row it says so (a target whose rows were
+    not measured has not been met)."""
     lines = [f"issue 32's GPU targets for the block rule at the {TARGET_SHAPE} shape (the worst row of the table):", ""]
     for name in ("block", "block_w"):
         timed = [r for r in rows if r.get("shape") == TARGET_SHAPE and f"{name} ms" in r and "sdpa ms" in r]
-        large = [r for r in timed if r["batch"] == 8 and r["context"] >= 32768]
-        small = [r for r in timed if r["batch"] == 1 and r["context"] == 4096]
+        picked = {
+            "large": [r for r in timed if r["batch"] == 8 and r["context"] >= 32768],
+            "small": [r for r in timed if r["batch"] == 1 and r["context"] == 4096],
+        }
         checks = [
             _verdict(
-                "time <= 0.87x SDPA's at >= 32K, batch 8",
-                [(r[f"{name} ms"] / r["sdpa ms"], r["context"]) for r in large],
-                max,
-                lambda x: x <= 0.87,
-                "{:.2f}x",
-            ),
-            _verdict(
-                ">= 75% of the copy bandwidth there",
-                [(r[f"{name} %copy"], r["context"]) for r in large if f"{name} %copy" in r],
-                min,
-                lambda x: x >= 75,
-                "{:.0f}%",
-            ),
-            _verdict(
-                "time <= 2x SDPA's at 4K, batch 1",
-                [(r[f"{name} ms"] / r["sdpa ms"], r["context"]) for r in small],
-                max,
-                lambda x: x <= 2,
-                "{:.2f}x",
-            ),
+                what,
+                [(x, r["context"]) for r in picked[which] if (x := _target_value(r, name, value)) is not None],
+                *test,
+            )
+            for what, which, value, *test in TARGETS
         ]
         lines.append(f"- `{name}`: " + "; ".join(checks))
     return "\n".join(lines)
+
+
+def _target_value(row: dict, name: str, value: str) -> float | None:
+    return row[f"{name} ms"] / row["sdpa ms"] if value == "ratio" else row.get(f"{name} {value}")
 
 
 def _verdict(what: str, values: list[tuple[float, int]], worst, ok, fmt: str) -> str:
