@@ -185,6 +185,63 @@ def kernel_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def host_times(runs: dict, repeats: int, drain=torch.cuda.synchronize) -> dict[str, float]:
+    """Per method, the median host seconds of one eager call: from the call until it returns, with the device
+    drained (``drain``) before each call, so the time is the host's work (argument preparation, allocations,
+    launches) and never a wait on the device. Where it exceeds the device's time, it is what an eager step costs."""
+    times = {}
+    for name, fn in runs.items():
+        fn()
+        samples = []
+        for _ in range(repeats):
+            drain()
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        drain()
+        times[name] = statistics.median(samples)
+    return times
+
+
+def host_profile(fn, calls: int, rows: int = 15) -> str:
+    """``calls`` calls of ``fn`` under cProfile: the Python functions (CuPy's launches and torch's calls among
+    them) by the host time spent in each itself, per call; which part of an eager call's host time is whose."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    body = text.getvalue()
+    return f"{calls} calls; seconds are totals over them\n{body[body.index('   ncalls') :].rstrip()}"
+
+
+def host_table(row: dict) -> str:
+    """Host microseconds per eager call of each method at ``row``'s configuration, beside the eager call's whole
+    time (CUDA events, host and device) and the host's share of it."""
+    lines = ["| method | host us/call | eager ms | host share |", "|---|---|---|---|"]
+    for name, seconds in row["host"].items():
+        eager = row.get(f"{name} ms")
+        share = f"{100 * seconds * 1e3 / eager:.0f}%" if eager else ""
+        lines.append(f"| {name} | {seconds * 1e6:.1f} | {'' if eager is None else f'{eager:.3f}'} | {share} |")
+    return "\n".join(lines)
+
+
+def host_section(row: dict) -> str:
+    """The host table of ``row`` and its profiles, as the benchmark prints them below the kernel lists."""
+    where = f"{row['shape']} batch {row['batch']} context {row['context']}"
+    profiles = "".join(
+        f"\n\n`{name}`'s host time by function:\n\n```\n{text}\n```" for name, text in row["host_profile"].items()
+    )
+    return f"\n\nhost work per eager call, {where}:\n\n{host_table(row)}{profiles}"
+
+
 def bench_one(
     shape: str,
     batch: int,
@@ -194,6 +251,7 @@ def bench_one(
     methods: tuple[str, ...] = METHODS,
     profile_steps: int = 0,
     graph: bool = False,
+    host: bool = False,
 ) -> dict:
     from kernels_cupy.ops import aligned_attention, append
     from kvquant.formats.planes import PlaneStore
@@ -237,6 +295,9 @@ def bench_one(
     row["fp16 KV MB"] = fp16_bytes / 1e6
     if profile_steps:
         row["kernels"] = kernel_times(runs, profile_steps)
+    if host:
+        row["host"] = host_times(runs, repeats)
+        row["host_profile"] = {name: host_profile(runs[name], 50) for name in ("block", "block_w") if name in runs}
     return row
 
 
@@ -357,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SHAPE:BATCH:CONTEXT",
         help="also list the kernels one step of each method runs at this configuration (torch.profiler)",
     )
+    parser.add_argument(
+        "--host",
+        default="",
+        metavar="SHAPE:BATCH:CONTEXT",
+        help="also time each method's host work per eager call at this configuration, and cProfile the block rule's",
+    )
     args = parser.parse_args(argv)
 
     from kernels_cupy import cupy_status
@@ -375,12 +442,13 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batches.split(",")
         for c in args.contexts.split(",")
     ]
-    if args.profile and args.profile not in configs:
-        print(
-            f"error: --profile {args.profile} is not a measured configuration; one of {', '.join(configs)}",
-            file=sys.stderr,
-        )
-        return 2
+    for option, config in (("--profile", args.profile), ("--host", args.host)):
+        if config and config not in configs:
+            print(
+                f"error: {option} {config} is not a measured configuration; one of {', '.join(configs)}",
+                file=sys.stderr,
+            )
+            return 2
     methods = tuple(args.methods.split(","))
     if "sdpa" not in methods or any(m not in METHODS for m in methods):
         print(f"error: --methods must include sdpa and name only {', '.join(METHODS)}", file=sys.stderr)
@@ -401,9 +469,12 @@ def main(argv: list[str] | None = None) -> int:
                 if args.max_seconds and time.monotonic() - start > args.max_seconds:
                     rows.append({"shape": shape, "batch": batch, "context": context, "note": "skipped: time budget"})
                     continue
-                steps = 20 if args.profile == f"{shape}:{batch}:{context}" else 0
+                config = f"{shape}:{batch}:{context}"
+                steps, host = (20 if args.profile == config else 0), args.host == config
                 try:
-                    rows.append(bench_one(shape, batch, context, args.repeats, copy_bw, methods, steps, args.graph))
+                    rows.append(
+                        bench_one(shape, batch, context, args.repeats, copy_bw, methods, steps, args.graph, host)
+                    )
                 except torch.OutOfMemoryError:
                     rows.append({"shape": shape, "batch": batch, "context": context, "note": "out of memory"})
                 torch.cuda.empty_cache()  # this configuration's K/V and planes are gone with bench_one's frame
@@ -415,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n\nkernels per step, {r['shape']} batch {r['batch']} context {r['context']}:\n\n{kernel_table(r['kernels'])}"
         for r in profiled
     )
+    kernels += "".join(host_section(r) for r in rows if "host" in r)
     verdicts = f"\n\n{targets(rows)}" if "block" in methods or "block_w" in methods else ""
     if args.out:
         args.out.write_text(f"{header}\n\n{table(rows)}{verdicts}{kernels}\n")

@@ -17,8 +17,9 @@
 # the block rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes
 # read and % of the copy bandwidth measured in the same run, the block rule and the control also on the warp QK
 # kernel and byte-permute SV reads (opt-in until validated here), issue 32's GPU targets read off each table
-# (PASS / FAIL / not measured, block and block_w), and the kernels one step runs at batch 8,
-# 32K (scripts/bench_kernels.py); the same at 4K and 32K as CUDA-graph replays (device time, no host work);
+# (PASS / FAIL / not measured, block and block_w), the kernels one step runs at batch 8,
+# 32K, and each method's host work per eager call at 4K batch 1 with the block rule's call profiled by Python
+# function (scripts/bench_kernels.py); the same at 4K and 32K as CUDA-graph replays (device time, no host work);
 # and whole decode steps on a random-weight Llama-2-7B layout at 4K and 32K,
 # each cache against DynamicCache (each named with its backend, `kivi2@torch` beside `kivi2@cupy`: `auto` picks
 # CuPy for some formats) with the torch operators and CuPy launches a step makes per layer, and one step of
@@ -111,7 +112,7 @@ fi
 # Llama-3.1-8B layout (8 KV heads: 1024-channel predictors; Llama-2-7B's 4096 would be 6 GB of weights).
 timeout 90 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,8192,16384,32768 --batches 1,8 \
   --methods sdpa,aligned,block,control,block_w,control_w --repeats 10 --max-seconds 60 --profile llama2_7b:8:32768 \
-  --out "$OUT_DIR/bench.md" 2>&1 \
+  --host llama2_7b:1:4096 --out "$OUT_DIR/bench.md" 2>&1 \
   | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
 timeout 30 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,32768 --batches 1,8 \

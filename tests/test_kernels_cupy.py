@@ -7,6 +7,7 @@ import dataclasses
 import math
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -345,6 +346,36 @@ def test_bench_lists_the_kernels_of_a_step():
         assert by[(method, "(all)")]["us"] == pytest.approx(sum(r["us"] for r in parts))
         assert by[(method, "(all)")]["calls"] == sum(r["calls"] for r in parts)
     assert "| two | aten::add | 1.0 |" in bench.kernel_table(rows)
+
+
+def test_bench_times_the_host_work_of_an_eager_call():
+    """``--host``: each method's host time per call (the device drained before each call, outside the timing), its
+    share of the eager call's time, and the block rule's call profiled by function (which part of the host time
+    is whose: on a GPU CuPy's launches and torch's allocations)."""
+    from conftest import load_script
+
+    bench = load_script("bench_kernels")
+    drained = []
+
+    def slow():
+        time.sleep(0.002)
+
+    def quick():
+        return None
+
+    times = bench.host_times({"block": slow, "sdpa": quick}, repeats=5, drain=lambda: drained.append(1))
+    assert len(drained) == 2 * (5 + 1)  # before each timed call and once after each method
+    assert times["block"] >= 0.002 > 10 * times["sdpa"]
+    profile = bench.host_profile(slow, 7)
+    assert profile.startswith("7 calls;") and "slow" in profile and "sleep" in profile
+    row = {"shape": "llama2_7b", "batch": 1, "context": 4096, "host": times, "block ms": 4.0, "host_profile": {}}
+    lines = bench.host_table(row).splitlines()
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[2:]}
+    assert cells["block"][1:] == ["4.000", f"{100 * times['block'] * 1e3 / 4.0:.0f}%"]
+    assert cells["sdpa"][1:] == ["", ""] and float(cells["block"][0]) == pytest.approx(times["block"] * 1e6, abs=0.1)
+    row["host_profile"] = {"block": profile}
+    section = bench.host_section(row)
+    assert "host work per eager call, llama2_7b batch 1 context 4096:" in section and "```\n7 calls;" in section
 
 
 SM90, SM80 = 232448, 166912
