@@ -489,17 +489,34 @@ def test_warp_kernel_split_gives_each_warp_whole_units(n_units, bh, sms):
     assert qk_warp_shared_bytes(128, 4) == (4 * 128 + 2 * 128 + 128) * 4 and qk_warp_shared_bytes(8, 1) == 32 * 4
 
 
+def parameters(text: str) -> list[tuple[str, str]]:
+    """``(kind, name)`` of a C parameter list (``ptr`` for any pointer), comments and line continuations dropped."""
+    import re
+
+    text = re.sub(r"//[^\n]*", "", text.replace("\\\n", "\n"))
+    out = []
+    for param in (" ".join(x.replace("__restrict__", "").split()) for x in text.split(",")):
+        kind, name = param.replace("*", "* ").rsplit(" ", 1)
+        out.append(("ptr" if "*" in kind else kind.replace("const ", "").strip(), name))
+    return out
+
+
 def qk_signature() -> list[tuple[str, str]]:
     """``(type, name)`` of each parameter of both QK kernels (qk.cu's ``QK_PARAMS``)."""
     text = (SOURCE_DIR / "qk.cu").read_text().replace("\\\n", "\n")
     start = text.index("#define QK_PARAMS") + len("#define QK_PARAMS")
-    out = []
-    for param in (
-        " ".join(x.replace("__restrict__", "").split()) for x in text[start : text.index("#define", start)].split(",")
-    ):
-        kind, name = param.replace("*", "* ").rsplit(" ", 1)
-        out.append(("ptr" if "*" in kind else kind.replace("const ", "").strip(), name))
-    return out
+    return parameters(text[start : text.index("#define", start)])
+
+
+def kernel_signature(source: str, opening: str) -> list[tuple[str, str]]:
+    """``(type, name)`` of the parameters that follow ``opening`` (the text up to the list's ``(``) in ``source``."""
+    text = (SOURCE_DIR / source).read_text()
+    start = text.index(opening) + len(opening)
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    return parameters(text[start : end - 1])
 
 
 KERNEL_ARG_KINDS = {np.uint64: "ptr", np.int32: "int", np.int64: "long long", np.float32: "float"}
@@ -542,6 +559,74 @@ def test_qk_launch_arguments_match_the_kernels_signature(qk_kernel, mode, blockw
     assert {key: int(named[key]) for key in want} == want
     assert bool(named["k_exp"]) == (mode == "blockwise") and bool(named["wk"]) == (mode != "full")
     assert bool(named["keys_out"]) and bool(named["partial_ml"]) and float(named["scaling"]) == np.float32(d**-0.5)
+
+
+@pytest.mark.parametrize("qk_kernel", ["tile", "warp"])
+@pytest.mark.parametrize("sv_read", ["bytes", "permute"])
+@pytest.mark.parametrize(("rule", "full"), [("token", False), ("block", False), ("token", True)])
+@pytest.mark.parametrize(("hq", "hkv", "d", "q_len"), [(8, 2, 128, 1), (4, 4, 64, 1), (8, 4, 8, 2)])
+def test_a_decode_step_hands_each_kernel_what_the_one_before_wrote(
+    qk_kernel, sv_read, rule, full, hq, hkv, d, q_len, monkeypatch
+):
+    """One ``aligned_attention`` step, launched dry on the CPU: each of its three launches passes arguments of
+    its kernel's parameter types in order, and the kernels are chained through the same buffers — softmax_topk
+    normalises the logits QK wrote and merges QK's per-CTA statistics (as many as QK's CTAs), SV reads those
+    probabilities and softmax_topk's ``e(O_est)`` (null for the control), each kernel's ticket counters are its
+    own, the buffers a kernel writes are distinct from everything else it reads or writes, and the sizes are the
+    store's (a misordered or mismatched argument would only show on a GPU otherwise)."""
+    from kernels_cupy import ops
+
+    calls = []
+    monkeypatch.setattr(ops, "ptr", lambda t: np.uint64(0 if t is None else t.data_ptr()))  # CPU tensors
+    monkeypatch.setattr(ops, "sm_count", lambda index: 132)
+    monkeypatch.setattr(ops, "shared_memory_budget", lambda index: SM90)
+    monkeypatch.setattr(ops, "launch", lambda *args, **kw: calls.append(args))
+    monkeypatch.setattr(ops, "_geometry", lambda store, q: (*q.shape, hkv, hq // hkv * q.shape[2], store.n_tokens))
+    counters = torch.zeros(1024, dtype=torch.int32)
+    monkeypatch.setattr(ops, "counters", lambda device, n: counters)
+    b, n = 2, 300
+    k, v, q = random_kv(b, hq, hkv, d, n, seed=2, q_len=q_len)
+    store = cpu_store(k, v, False, chunks_for(n), 32)
+    mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len) if q_len > 1 else None
+    ops.aligned_attention(store, q, mask, d**-0.5, (4, 8), (4, 8), 32, False, full, rule, False, qk_kernel, sv_read)
+    assert [c[0] for c in calls] == ["qk.cu", "softmax.cu", "sv.cu"]
+    signatures = {
+        "qk.cu": qk_signature(),
+        "softmax.cu": kernel_signature("softmax.cu", "softmax_topk("),
+        "sv.cu": kernel_signature("sv.cu", "SV_MIN_CTAS(RC, CPT, MODE, PERM)) NAME("),
+    }
+    named = {}
+    for source, name, _, _, args in calls:
+        params = signatures[source]
+        assert [KERNEL_ARG_KINDS[type(x)] for x in args] == [kind for kind, _ in params], name
+        named[source] = {param: int(x) for (_, param), x in zip(params, args, strict=True)}
+    qk_args, sm_args, sv_args = named["qk.cu"], named["softmax.cu"], named["sv.cu"]
+    rows, bh = hq // hkv * q_len, b * hkv
+    assert calls[1][2][1:] == (rows, bh) and calls[2][2][1] == bh
+    assert calls[2][1].startswith(f"sv_{'full' if full else rule}_") and calls[2][1].endswith("_p") == (
+        sv_read == "permute"
+    )
+    assert sm_args["scores"] == qk_args["logits"] == sv_args["scores"] != 0  # normalised in place, read by SV
+    assert sm_args["partial_ml"] == qk_args["partial_ml"] != 0 and sm_args["n_qk"] == calls[0][2][0]
+    assert sm_args["normalize"] == 1 and sm_args["k"] == (0 if full else 32)
+    assert sv_args["e_o"] == (0 if full else sm_args["e_o"]) and (sm_args["e_o"] != 0) != full
+    assert (sm_args["best_val"] != 0) != full and (sm_args["best_idx"] != 0) != full
+    assert sv_args["counter"] == sm_args["counter"] + 4 * bh and sm_args["counter"] == counters.data_ptr()
+    for args in (sm_args, sv_args):
+        want = {"R": rows, "D": d, "n_full": store.n_full, "n_tail": n - store.n_full}
+        assert {key: args[key] for key in want} == want
+    assert sm_args["L"] == n and sv_args["value_block"] == (32 if rule == "block" and not full else 0)
+    assert bool(sv_args["v_exp"]) == (rule == "block" and not full)
+    assert sv_args["v_a"] == sm_args["v_a"] == store.v_a.data_ptr() and sv_args["v_b"] == store.v_b.data_ptr()
+    written = {  # what each kernel writes; a buffer freed after one kernel may be another's later (stream order)
+        "qk.cu": ("logits", "wk", "partial_ml"),
+        "softmax.cu": ("scores", "best_val", "best_idx", "e_o"),
+        "sv.cu": ("partial", "out", "wv"),
+    }
+    for source, args in named.items():
+        pointers = [x for kind_name, x in zip(signatures[source], args.values(), strict=True) if kind_name[0] == "ptr"]
+        outs = [args[name] for name in written[source] if args[name]]
+        assert len(set(outs)) == len(outs) and all(pointers.count(x) == 1 for x in outs), source
 
 
 @pytest.mark.parametrize("d", [8, 16, 24, 64, 96, 128, 256])
