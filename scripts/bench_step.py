@@ -12,8 +12,10 @@ with synthetic K/V untimed (``model_step_time``); medians of ``--repeats`` steps
 criteria: fp16 <= 1.05, kivi2/kivi4 <= 0.8, gear2/gear4 <= 0.9, higgs_post_rope <= 1.0 at 32K); ``x fp16`` over our
 fp16 cache; ``bits`` the mean bits read per K/V element; ``ops/layer`` the torch operators one more (untimed) step
 dispatched per layer, views excepted (``kvquant.analysis.timing.OpCounter``: on a GPU each is a launch or a sync,
-what a batch-1 step is bound by), ``kernels/layer`` a kernel backend's own launches in that step (CuPy's; blank
-elsewhere). AQUA-KV methods (``aquakv``, ``aquakv_k_only``, ``aquakv_v_only``) get random predictors of
+what a batch-1 step is bound by), ``syncs/layer`` those among them that wait for a GPU (``syncs_host``: ``item``,
+``bincount``, boolean-mask indexing, copies to the host; on a CPU, what a GPU run of the same code would wait on
+where the code does not branch on the device), ``kernels/layer`` a kernel backend's own launches in that step
+(CuPy's; blank elsewhere). AQUA-KV methods (``aquakv``, ``aquakv_k_only``, ``aquakv_v_only``) get random predictors of
 calibration's scale for the random model (written once to a temporary folder: the weights' values do not change the
 time) and a floor row (``<name>_floor``: DynamicCache's step plus the predictors' matmuls over the coded history,
 issue 33's floor). Methods are built on ``--backend`` (``auto``: the device's kernels where they are picked
@@ -40,7 +42,7 @@ if str(ROOT) not in sys.path:
 METHODS = "fp16,kivi2,kivi4,gear2,gear4,higgs_post_rope,truncation,alignedkv,alignedkv_block"
 COLUMNS = (
     "layout", "batch", "context", "method", "backend", "ms", "x dyn", "x fp16", "bits", "x floor", "ops/layer",
-    "kernels/layer",
+    "syncs/layer", "kernels/layer",
 )  # fmt: skip
 
 
@@ -121,7 +123,7 @@ def measure(layout: str, batch: int, context: int, methods: dict, args, device: 
             print(f"\n{name}, {where}: one step's operators by host time\n{t.profile}")
     base = timed["fp16"].seconds if "fp16" in timed else None
     rows = [{"method": "DynamicCache", "backend": "torch", "ms": dynamic.seconds * 1e3, "x dyn": 1.0}]
-    rows[0]["ops/layer"] = f"{dynamic.ops_per_layer:.1f}"
+    rows[0] |= {"ops/layer": f"{dynamic.ops_per_layer:.1f}", "syncs/layer": f"{dynamic.syncs_per_layer:.1f}"}
     floors: dict[str, float] = {}
     for name, t in timed.items():
         method = methods[name]
@@ -140,7 +142,8 @@ def measure(layout: str, batch: int, context: int, methods: dict, args, device: 
         if family in floors:
             row["x floor"] = t.seconds / floors[family]
         launches = "" if t.launches_per_layer is None else f"{t.launches_per_layer:.1f}"
-        rows.append(row | {"bits": t.bits_read, "ops/layer": f"{t.ops_per_layer:.1f}", "kernels/layer": launches})
+        counted = {"ops/layer": f"{t.ops_per_layer:.1f}", "syncs/layer": f"{t.syncs_per_layer:.1f}"}
+        rows.append(row | {"bits": t.bits_read, **counted, "kernels/layer": launches})
     return [{"layout": layout, "batch": batch, "context": context} | row for row in rows]
 
 

@@ -594,3 +594,21 @@ def test_head_width_counts_count_each_heads_reads_in_the_window(blockwise, first
                 want_v[j, (int(wv[i, j, t]) - 8) // 4] += 1
     assert per_k.dtype == per_v.dtype == torch.int64
     assert torch.equal(per_k, want_k) and torch.equal(per_v, want_v)
+
+
+@pytest.mark.parametrize("blockwise", [False, True], ids=["per-column", "per-block"])
+def test_head_width_counts_on_a_device_never_wait_for_it(blockwise):
+    """A GPU counts a step's widths in torch ops every layer: none of them may read values back to the host (CUDA's
+    ``bincount`` reads its input's min and max: four syncs a layer and step, which kept the host from running ahead
+    of the device), and the counts are numpy's."""
+    from kvquant.analysis.timing import OpCounter
+
+    widths = torch.tensor([8, 12, 16], dtype=torch.int32)
+    g = torch.Generator().manual_seed(7)
+    wk = widths[torch.randint(0, 3, (2, 3, 5, 16) if blockwise else (2, 3, 16), generator=g)]
+    wv = widths[torch.randint(0, 3, (2, 3, 5 * 64), generator=g)]
+    with OpCounter() as counter:
+        on_device = head_width_counts(wk, wv, 70, 5 * 64, in_numpy=False)
+    assert counter.total > 0 and not counter.syncs, counter.syncs
+    for got, want in zip(on_device, head_width_counts(wk, wv, 70, 5 * 64, in_numpy=True), strict=True):
+        assert torch.equal(got, want)

@@ -46,7 +46,8 @@ def test_bad_names_exit_2_with_one_line(capsys, args, message):
 
 def test_a_profiled_method_prints_one_steps_operators_and_rows_count_them(capsys):
     """``--profile``: one more step of the named methods under torch.profiler, printed after the cell; every
-    row counts the torch operators a step dispatched per layer (``kernels/layer`` blank: no CuPy here)."""
+    row counts the torch operators a step dispatched per layer and those that would wait for a GPU
+    (``kernels/layer`` blank: no CuPy here)."""
     args = ["--layout", "stories260k", "--contexts", "64", "--layers", "2", "--repeats", "1"]
     assert (
         load_script("bench_step").main([*args, "--methods", "fp16@torch", "--profile", "DynamicCache,fp16@torch"]) == 0
@@ -56,4 +57,6 @@ def test_a_profiled_method_prints_one_steps_operators_and_rows_count_them(capsys
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if "| stories260k |" in line]
     ops = {r[3]: float(r[10]) for r in rows}
     assert set(ops) == {"DynamicCache", "fp16@torch"} and 0 < ops["DynamicCache"] < ops["fp16@torch"]
-    assert all(r[11] == "" for r in rows)
+    syncs = {r[3]: float(r[11]) for r in rows}  # fp16's range check reads its verdict at once on a CPU, not on a GPU
+    assert syncs == {"DynamicCache": 0.0, "fp16@torch": 4.0}
+    assert all(r[12] == "" for r in rows)

@@ -629,6 +629,78 @@ def test_a_decode_step_hands_each_kernel_what_the_one_before_wrote(
         assert len(set(outs)) == len(outs) and all(pointers.count(x) == 1 for x in outs), source
 
 
+@pytest.mark.parametrize("name", ["alignedkv", "alignedkv_block", "alignedkv_plus_block", "kivi2", "gear2"])
+def test_a_decode_step_on_the_cupy_kernels_never_waits_for_the_gpu(name, monkeypatch):
+    """A whole decode step of a model whose caches read by these kernels, launched dry on the CPU (kernels not
+    run, their outputs zero and widths filled): no torch operator of the step would wait for a GPU
+    (``OpCounter.syncs``: ``item``, ``bincount``, boolean-mask indexing…), so the host can run ahead of the device
+    through every layer (four syncs a layer and step counted AlignedKV's widths before). The range checks are
+    deferred as on a GPU, and the width counts take the torch path a GPU takes."""
+    import functools
+
+    from kernels_cupy import backend as cupy_backend
+    from kernels_cupy import codes, ops, store
+    from kvquant.analysis.timing import OpCounter, layout_model, synthetic_kv
+    from kvquant.backends import get_backend
+    from kvquant.methods import alignedkv, base, get_method
+
+    def dry(*args, **kwargs):
+        return None
+
+    for module in (ops, codes, store):
+        monkeypatch.setattr(module, "launch", dry)
+    for module, names in (
+        (ops, ("ptr", "check_device")),
+        (codes, ("ptr", "raw", "check_cuda")),
+        (store, ("check_device",)),
+    ):
+        for attr in names:
+            fake = (lambda t: np.uint64(0 if t is None else t.data_ptr())) if attr in ("ptr", "raw") else dry
+            monkeypatch.setattr(module, attr, fake)
+    monkeypatch.setattr(cupy_backend, "check_device", dry)
+    monkeypatch.setattr(ops, "sm_count", lambda index: 132)
+    monkeypatch.setattr(codes, "sm_count", lambda index: 132)
+    monkeypatch.setattr(ops, "shared_memory_budget", lambda index: SM90)
+    monkeypatch.setattr(
+        ops,
+        "_geometry",
+        lambda st, q: (*q.shape, st.tail_k.shape[1], q.shape[1] // st.tail_k.shape[1] * q.shape[2], st.n_tokens),
+    )
+    counters = torch.zeros(4096, dtype=torch.int32)
+    monkeypatch.setattr(ops, "counters", lambda device, n: counters)
+    monkeypatch.setattr(alignedkv, "head_width_counts", functools.partial(alignedkv.head_width_counts, in_numpy=False))
+    monkeypatch.setattr(base, "resolve_backend", lambda *args, **kwargs: get_backend("cupy"))
+    attend = dict(cupy_backend.ATTEND)
+
+    def filled(fmt):
+        def run(*args, **kwargs):
+            out, reads = attend[fmt](*args, **kwargs)
+            with torch.utils._python_dispatch._disable_current_modes():  # what the kernels would have written
+                out.zero_()
+                for widths, value in ((reads.k_widths, 12), (reads.v_widths, 8)):
+                    if widths is not None:
+                        widths.fill_(value)
+            return out, reads
+
+        return run
+
+    monkeypatch.setattr(cupy_backend, "ATTEND", {fmt: filled(fmt) for fmt in attend})
+    model = layout_model("smollm2_135m", "cpu", 2)
+    method = get_method(name, backend="cupy")
+    with method.attach(model):
+        cache = method.new_cache(model)
+        assert cache.backend == "cupy"
+        k, v = synthetic_kv("smollm2_135m", 300, 0, 1, "cpu")
+        for layer in cache.layers:
+            layer.finite.deferred = True
+            layer.update(k.half(), v.half())
+        for step in range(2):
+            with torch.no_grad(), OpCounter() as counter:
+                position = torch.tensor([[300 + step]])
+                model(input_ids=torch.tensor([[5]]), past_key_values=cache, position_ids=position, use_cache=True)
+        assert counter.total > 0 and not counter.syncs, counter.syncs
+
+
 @pytest.mark.parametrize("d", [8, 16, 24, 64, 96, 128, 256])
 def test_sv_lanes_cover_the_row_with_aligned_loads(d):
     """Each active lane holds CPT whole channels (16 where d allows: a 16-byte plane-A load), lanes of a row

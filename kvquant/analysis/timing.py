@@ -99,26 +99,79 @@ class StepTime:
     ops_per_layer: float | None = None
     launches_per_layer: float | None = None  # a kernel backend's own launches, where it counts them (CuPy)
     profile: str | None = None  # one more step under torch.profiler (``model_step_time(profile=True)``)
+    syncs_per_layer: float | None = None  # of ``ops_per_layer``, those that wait for a GPU (``syncs_host``)
+
+
+#: operators whose CUDA implementation reads the device's values back before it returns (a host sync): ``item``,
+#: ``bool(t)``, and those that size their output by the data (``bincount`` reads its min and max)
+SYNCING_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "is_nonzero",
+        "equal",
+        "bincount",
+        "nonzero",
+        "masked_select",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "unique_dim_consecutive",
+    }
+)
+
+
+def syncs_host(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether dispatching ``func`` on CUDA tensors would wait for the device: ``SYNCING_OPS``, indexing by a
+    boolean mask (a ``nonzero`` inside), ``repeat_interleave`` by a tensor of repeats without ``output_size``,
+    and a copy from a CUDA tensor to the host. Read off the arguments, so a CPU run names what a GPU run would
+    wait on (a CPU tensor's copies excepted)."""
+    name = func.overloadpacket.__name__
+    if name in SYNCING_OPS:
+        return True
+    if name == "index":
+        return any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None
+        )
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else args[0]
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    if name in ("_to_copy", "copy_"):
+        src, dst_device = (args[0], kwargs.get("device")) if name == "_to_copy" else (args[1], args[0].device)
+        return (
+            isinstance(src, torch.Tensor)
+            and src.is_cuda
+            and dst_device is not None
+            and torch.device(dst_device).type == "cpu"
+        )
+    return False
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the torch operators dispatched while it is active, views excepted (they launch nothing).
+    """Counts the torch operators dispatched while it is active, views excepted (they launch nothing), and
+    among them those that would wait for a GPU (``syncs``, by ``syncs_host``).
 
     On a GPU nearly every counted operator is a kernel launch or a host sync (``item``; allocations such as
     ``empty`` are counted too): at batch 1 a decode step is bound by them, so this count, the same on every
-    machine, says where a cache's step loses to ``DynamicCache``'s before any timing does. It is one step's:
-    a step that flushes a block (KIVI's keys) or regrows a buffer dispatches more. A kernel backend's own
-    launches (CuPy, C++) are not torch operators and are not counted.
+    machine, says where a cache's step loses to ``DynamicCache``'s before any timing does. A sync is worse than
+    a launch: the host waits for every kernel queued before it, so a layer that syncs keeps the host from running
+    ahead of the device. It is one step's: a step that flushes a block (KIVI's keys) or regrows a buffer
+    dispatches more. A kernel backend's own launches (CuPy, C++) are not torch operators and are not counted.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
             self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+            if syncs_host(func, args, kwargs):
+                self.syncs[func.overloadpacket.__name__] += 1
+        return func(*args, **kwargs)
 
     @property
     def total(self) -> int:
@@ -337,7 +390,8 @@ def model_step_time(
     layers = model.config.num_hidden_layers
     launches = (count() - launched) / layers if count else None
     seconds, bits_read = statistics.median(times), bits / max(elements, 1)
-    return StepTime(seconds, bits_read, bits / 8 / repeats, backend, counter.total / layers, launches, table)
+    syncs = sum(counter.syncs.values()) / layers
+    return StepTime(seconds, bits_read, bits / 8 / repeats, backend, counter.total / layers, launches, table, syncs)
 
 
 def profiled(step: Callable[[], Any], device: str, rows: int = 15) -> str:

@@ -39,26 +39,50 @@ def head_width_counts(
     each of ``WIDTHS``: int64 ``[H, 3]`` each, on ``wk``'s device. ``wk``: ``[B, H, D]`` per column or
     ``[B, H, nb, D]`` per (block, column); ``wv``: ``[B, H, n]``. Counted in numpy where both are CPU tensors
     (``in_numpy`` None; the same integers with less overhead per op than torch's small ops, and a decode step
-    counts every layer), else in torch ops on their device (no sync per step)."""
+    counts every layer), else in torch ops on their device that never wait for it (``scatter_add_`` into a fixed
+    ``[H, 3]``: CUDA's ``bincount`` reads its input's min and max back to the host, two syncs a call)."""
     n = len(WIDTHS)
     h = wk.shape[1]
     cpu = in_numpy if in_numpy is not None else wk.device.type == "cpu" and wv.device.type == "cpu"
-    xp, k, v = (np, wk.numpy(), wv.numpy()) if cpu else (torch, wk, wv)
-    heads = (np.arange(h, dtype=np.int64) if cpu else torch.arange(h, device=wk.device)) * n
+    if not cpu:
+        return _head_width_counts_on_device(wk, wv, first, n_full)
+    k, v = wk.numpy(), wv.numpy()
+    heads = np.arange(h, dtype=np.int64) * n
     k_index = (heads.reshape(1, h, *[1] * (k.ndim - 2)) + (k >> 2) - 2).reshape(-1)  # 8/12/16 -> 0/1/2
     if k.ndim == 4:  # per (block, channel): weighted by the block's tokens in the window
-        start = (np.arange(k.shape[2]) if cpu else torch.arange(k.shape[2], device=wk.device)) * BLOCK
-        inside = xp.clip(start + BLOCK - xp.maximum(start, xp.full_like(start, first)), 0, BLOCK)
-        weights = xp.broadcast_to(inside.reshape(1, 1, -1, 1), k.shape).reshape(-1)
-        weights = weights.astype(np.float64) if cpu else weights.double()
-        per_k = xp.bincount(k_index, weights, minlength=h * n)
-        per_k = np.rint(per_k).astype(np.int64) if cpu else per_k.round().long()
+        start = np.arange(k.shape[2]) * BLOCK
+        inside = np.clip(start + BLOCK - np.maximum(start, first), 0, BLOCK)
+        weights = np.broadcast_to(inside.reshape(1, 1, -1, 1), k.shape).reshape(-1).astype(np.float64)
+        per_k = np.rint(np.bincount(k_index, weights, minlength=h * n)).astype(np.int64)
     else:  # per column: every block token in the window
-        per_k = xp.bincount(k_index, minlength=h * n) * max(0, n_full - first)
-    per_v = xp.bincount((heads.reshape(1, h, 1) + (v >> 2) - 2).reshape(-1), minlength=h * n)
-    if cpu:
-        per_k, per_v = torch.from_numpy(per_k.astype(np.int64)), torch.from_numpy(per_v.astype(np.int64))
+        per_k = np.bincount(k_index, minlength=h * n) * max(0, n_full - first)
+    per_v = np.bincount((heads.reshape(1, h, 1) + (v >> 2) - 2).reshape(-1), minlength=h * n)
+    per_k, per_v = torch.from_numpy(per_k.astype(np.int64)), torch.from_numpy(per_v.astype(np.int64))
     return per_k.view(h, n), per_v.view(h, n)
+
+
+def _head_width_counts_on_device(
+    wk: torch.Tensor, wv: torch.Tensor, first: int, n_full: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``head_width_counts`` in torch ops with no host sync: each width's index (8/12/16 -> 0/1/2) added per head
+    into ``[H, 3]`` by ``scatter_add_``, keys per block weighted by the block's tokens in the window."""
+    if wk.ndim == 4:
+        start = torch.arange(wk.shape[2], device=wk.device) * BLOCK
+        inside = (start + BLOCK - start.clamp(min=first)).clamp(0, BLOCK)
+        per_k = _counts_per_head((wk >> 2) - 2, inside.view(1, 1, -1, 1))
+    else:
+        per_k = _counts_per_head((wk >> 2) - 2) * max(0, n_full - first)
+    return per_k, _counts_per_head((wv >> 2) - 2)
+
+
+def _counts_per_head(index: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[H, 3]``: per head (axis 1 of ``index``) how often each index 0..2 occurs (or the sum of ``weight``,
+    broadcast to ``index``'s shape, where it does)."""
+    h = index.shape[1]
+    flat = index.transpose(0, 1).reshape(h, -1).long()
+    src = torch.ones((), dtype=torch.int64, device=index.device) if weight is None else weight.long()
+    src = src.expand(index.shape).transpose(0, 1).reshape(h, -1)
+    return torch.zeros(h, len(WIDTHS), dtype=torch.int64, device=index.device).scatter_add_(1, flat, src)
 
 
 class AlignedLayer(KVLayer):
