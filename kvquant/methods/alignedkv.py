@@ -15,6 +15,7 @@ drops every 64-token block that has fallen wholly out of it (up to 63 older toke
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -64,25 +65,23 @@ def head_width_counts(
 def _head_width_counts_on_device(
     wk: torch.Tensor, wv: torch.Tensor, first: int, n_full: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``head_width_counts`` in torch ops with no host sync: each width's index (8/12/16 -> 0/1/2) added per head
-    into ``[H, 3]`` by ``scatter_add_``, keys per block weighted by the block's tokens in the window."""
+    """``head_width_counts`` in torch ops with no host sync, few of them (each is a launch on a GPU, every layer
+    and step): each element compared with the three widths at once and the matches summed per head; keys per
+    block weighted by the block's tokens in the window."""
+    widths = _widths_on(wk.device)
     if wk.ndim == 4:
         start = torch.arange(wk.shape[2], device=wk.device) * BLOCK
         inside = (start + BLOCK - start.clamp(min=first)).clamp(0, BLOCK)
-        per_k = _counts_per_head((wk >> 2) - 2, inside.view(1, 1, -1, 1))
+        per_k = ((wk.unsqueeze(-1) == widths) * inside.view(1, 1, -1, 1, 1)).sum(dim=(0, 2, 3))
     else:
-        per_k = _counts_per_head((wk >> 2) - 2) * max(0, n_full - first)
-    return per_k, _counts_per_head((wv >> 2) - 2)
+        per_k = (wk.unsqueeze(-1) == widths).sum(dim=(0, 2)) * max(0, n_full - first)
+    return per_k, (wv.unsqueeze(-1) == widths).sum(dim=(0, 2))
 
 
-def _counts_per_head(index: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 ``[H, 3]``: per head (axis 1 of ``index``) how often each index 0..2 occurs (or the sum of ``weight``,
-    broadcast to ``index``'s shape, where it does)."""
-    h = index.shape[1]
-    flat = index.transpose(0, 1).reshape(h, -1).long()
-    src = torch.ones((), dtype=torch.int64, device=index.device) if weight is None else weight.long()
-    src = src.expand(index.shape).transpose(0, 1).reshape(h, -1)
-    return torch.zeros(h, len(WIDTHS), dtype=torch.int64, device=index.device).scatter_add_(1, flat, src)
+@functools.cache
+def _widths_on(device: torch.device) -> torch.Tensor:
+    """``WIDTHS`` as an int32 tensor on ``device``, made once (a copy to a GPU each step would be a launch)."""
+    return torch.tensor(WIDTHS, dtype=torch.int32, device=device)
 
 
 class AlignedLayer(KVLayer):
@@ -104,7 +103,7 @@ class AlignedLayer(KVLayer):
         self.head_widths_v = torch.zeros(n_kv_heads, len(WIDTHS), dtype=torch.int64)
         self.capture_products = False
         self.products: dict[str, torch.Tensor] | None = None
-        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor, int, int]] = []
+        self._pending: list[tuple[int, int, torch.Tensor, torch.Tensor, int, int, int]] = []
 
     def new_store(self) -> PlaneStore:
         """Planes in the layout every backend reads, as the backend's class for them (CuPy packs on the GPU)."""
@@ -199,19 +198,21 @@ class AlignedLayer(KVLayer):
         b, h, _, d = store.tail_k.shape
         if counts is None:
             counts = head_width_counts(wk, wv, store.first_visible, store.n_full)
-        per_head_k, per_head_v = counts
-        per_head_v = per_head_v * d  # on the device until counted
+        per_head_k, per_head_v = counts  # value tokens: times d channels when counted (on the host, no launch)
         # metadata read each step: the per-channel max |K| (fp16), one exponent byte per block channel of keys
         # (AlignedKV+) and of values (the block rule)
         meta_k = 16 * b * h * d + (8 * store.k_exp.numel() if store.k_exp is not None else 0)
         meta_v = 8 * store.v_exp.numel() if store.v_exp is not None else 0
         tail = b * h * min(store.tail_k.shape[2], store.visible) * d
-        self._pending.append((self.seen, tail, per_head_k, per_head_v, meta_k, meta_v))
+        self._pending.append((self.seen, tail, per_head_k, per_head_v, d, meta_k, meta_v))
 
     def counts(self):
         """What was read, the steps not yet counted moved off the device together (one sync)."""
-        moved = torch.stack([torch.stack((k, v)) for _, _, k, v, _, _ in self._pending]).cpu() if self._pending else []
-        for (position, tail, _, _, meta_k, meta_v), (per_head_k, per_head_v) in zip(self._pending, moved, strict=True):
+        moved = torch.stack([torch.stack((k, v)) for _, _, k, v, *_ in self._pending]).cpu() if self._pending else []
+        for (position, tail, _, _, d, meta_k, meta_v), (per_head_k, per_head_v) in zip(
+            self._pending, moved, strict=True
+        ):
+            per_head_v = per_head_v * d
             self.head_widths_k += per_head_k
             self.head_widths_v += per_head_v
             read_k = {w: int(n) for w, n in zip(WIDTHS, per_head_k.sum(0).tolist(), strict=True) if n}
