@@ -125,8 +125,9 @@ SYNCING_OPS = frozenset(
 def syncs_host(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether dispatching ``func`` on CUDA tensors would wait for the device: ``SYNCING_OPS``, indexing by a
     boolean mask (a ``nonzero`` inside), ``repeat_interleave`` by a tensor of repeats without ``output_size``,
-    and a copy from a CUDA tensor to the host. Read off the arguments, so a CPU run names what a GPU run would
-    wait on (a CPU tensor's copies excepted)."""
+    a copy from a CUDA tensor to the host, and one from the host to a GPU unless ``non_blocking`` (torch
+    synchronises the stream after it). Read off the arguments, so a CPU run names what a GPU run would wait on
+    (the copies excepted: a CPU run makes none)."""
     name = func.overloadpacket.__name__
     if name in SYNCING_OPS:
         return True
@@ -137,14 +138,16 @@ def syncs_host(func: Any, args: tuple, kwargs: dict) -> bool:
     if name == "repeat_interleave":
         repeats = args[1] if len(args) > 1 else args[0]
         return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
-    if name in ("_to_copy", "copy_"):
-        src, dst_device = (args[0], kwargs.get("device")) if name == "_to_copy" else (args[1], args[0].device)
-        return (
-            isinstance(src, torch.Tensor)
-            and src.is_cuda
-            and dst_device is not None
-            and torch.device(dst_device).type == "cpu"
-        )
+    if name in ("_to_copy", "copy_"):  # across the host/device boundary: torch waits unless non_blocking
+        if name == "_to_copy":
+            src, dst, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
+        else:
+            src, dst = args[1], args[0].device
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        if not isinstance(src, torch.Tensor) or dst is None:
+            return False
+        dst = torch.device(dst).type
+        return (src.is_cuda and dst == "cpu") or (src.device.type == "cpu" and dst == "cuda" and not non_blocking)
     return False
 
 

@@ -33,6 +33,7 @@ from kvquant.alignment import (
 from kvquant.bits import fp16_bits, split_planes
 from kvquant.errors import InvalidParameterError
 from kvquant.formats.base import FormatState, Reads, attention, masked_logits
+from kvquant.quant.device import on_device
 
 if sys.byteorder != "little":  # plane reads assemble fp16 from (low, high) byte pairs
     raise ImportError("kvquant.formats.planes assumes a little-endian machine")
@@ -52,15 +53,24 @@ _FILL_LUT = torch.zeros(17, dtype=torch.int32)
 _VALID_LUT = torch.zeros(17, dtype=torch.bool)
 for _w in (8, 12, 16):
     _MASK_LUT[_w], _FILL_LUT[_w], _VALID_LUT[_w] = MASK32[_w], FILL32[_w], True
+_MASK_ONE = {w: torch.tensor(MASK32[w], dtype=torch.int32) for w in WIDTHS}  # one width for every element
+_FILL_ONE = {w: torch.tensor(FILL32[w], dtype=torch.int32) for w in WIDTHS}
 
 
 def _mask_fill32(widths: torch.Tensor | int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-byte keep mask and ``1000…`` fill for 8/12/16-bit reads, replicated over the 4 bytes of an int32."""
-    w = torch.as_tensor(widths, device="cpu" if isinstance(widths, int) else None).long()
-    if bool((w < 0).any()) or not bool(_VALID_LUT.to(w.device)[w.clamp(0, 16)].all()):
+    """Low-byte keep mask and ``1000…`` fill for 8/12/16-bit reads, replicated over the 4 bytes of an int32.
+
+    The tables live on each device once (``on_device``): a copy to a GPU per read would make the host wait,
+    as would more than the one read-back that refuses widths other than 8, 12 or 16."""
+    if isinstance(widths, int):
+        if widths not in MASK32:
+            raise InvalidParameterError(f"plane reads take widths 8, 12 or 16, got [{widths}]")
+        return on_device(_MASK_ONE[widths], device), on_device(_FILL_ONE[widths], device)
+    w = widths.long()
+    if bool(((w < 0) | (w > 16) | ~on_device(_VALID_LUT, w.device)[w.clamp(0, 16)]).any()):
         shown = sorted(set(w.flatten().tolist()))[:8]
         raise InvalidParameterError(f"plane reads take widths 8, 12 or 16, got {shown}")
-    return _MASK_LUT.to(w.device)[w].to(device), _FILL_LUT.to(w.device)[w].to(device)
+    return on_device(_MASK_LUT, w.device)[w].to(device), on_device(_FILL_LUT, w.device)[w].to(device)
 
 
 def _low_bytes(b: torch.Tensor, c: torch.Tensor, mask: torch.Tensor, fill: torch.Tensor):

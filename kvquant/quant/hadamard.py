@@ -20,6 +20,8 @@ from functools import cache
 
 import torch
 
+from kvquant.quant.device import on_device
+
 PALEY_ORDERS = (12, 20)
 DENSE_MAX = 256  # up to this size a transform is one dense matmul (±1 entries: exact in fp32); beyond, O(n log n)
 
@@ -132,6 +134,6 @@ def hadamard_transform(x: torch.Tensor, inverse: bool = False, fast: bool | None
         return (x @ (h.T if inverse else h)) * (n**-0.5)
     y = fwht(x) if m == 1 else fwht(x.reshape(*x.shape[:-1], m, p))
     if m > 1:
-        h = paley(m).to(device=x.device, dtype=x.dtype)
+        h = on_device(paley(m), x.device, x.dtype)
         y = torch.einsum("...ip,ij->...jp", y, h.T if inverse else h).reshape(x.shape)
     return y * (n**-0.5)

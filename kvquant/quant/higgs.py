@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kvquant.errors import InvalidParameterError
 from kvquant.quant import bitpack
+from kvquant.quant.device import on_device
 from kvquant.quant.grids import GRID_FILE, PRESETS, load_grid, nearest
 from kvquant.quant.hadamard import hadamard_transform, outer_factor, supported_size
 
@@ -116,17 +117,17 @@ class Higgs:
         rms = g.pow(2).mean(-1).sqrt().clamp(max=FP16_MAX).to(torch.float16)
         s = rms.float().unsqueeze(-1)
         u = torch.where(s > 0, g / s.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(g))
-        y = hadamard_transform(u * self.signs.to(u.device))
-        grid = self.grid.to(y.device)
+        y = hadamard_transform(u * on_device(self.signs, u.device))
+        grid = on_device(self.grid, y.device)
         codes = nearest(y.reshape(-1, self.d), grid).view(*x.shape[:-1], self.n_codes)
         return HiggsTensor(bitpack.pack(codes, self.code_bits), rms)
 
     def dequantize(self, q: HiggsTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Reconstruct ``[..., channels]`` from codes and scales."""
         codes = bitpack.unpack(q.codes, self.code_bits, self.n_codes)
-        grid = self.grid.to(device=codes.device, dtype=dtype)
+        grid = on_device(self.grid, codes.device, dtype)
         y = F.embedding(codes.long(), grid).reshape(*codes.shape[:-1], self.n_groups, self.padded_group)  # a gather
-        signs = self.signs.to(device=y.device, dtype=dtype)
+        signs = on_device(self.signs, y.device, dtype)
         g = hadamard_transform(y, inverse=True) * signs * q.scales.to(dtype).unsqueeze(-1)
         return g[..., : self.group].reshape(*codes.shape[:-1], -1)[..., : self.channels]
 

@@ -22,6 +22,7 @@ import torch
 
 from kvquant.cache import nbytes
 from kvquant.errors import KvquantError
+from kvquant.quant.device import on_device
 from kvquant.quant.higgs import Higgs, HiggsTensor
 
 FORMAT = "kvquant-aquakv-predictors/1"
@@ -236,8 +237,9 @@ def from_rows(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def apply_predictor(pred: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    w, b = pred
-    return torch.addmm(b.to(x.device), x.reshape(-1, x.shape[-1]), w.to(x.device)).view(*x.shape[:-1], -1)
+    """``x @ w + b`` on ``x``'s device (the weights copied there once, not every step)."""
+    w, b = (on_device(t, x.device) for t in pred)
+    return torch.addmm(b, x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], -1)
 
 
 def encode_pair(
