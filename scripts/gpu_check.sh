@@ -17,7 +17,8 @@
 # the block rule vs the 16-bit control at the Llama-2-7B shape, batch 1 and 8, contexts 4K-32K, with bytes
 # read and % of the copy bandwidth measured in the same run, the block rule and the control also on the warp QK
 # kernel and byte-permute SV reads (opt-in until validated here), issue 32's GPU targets read off each table
-# (PASS / FAIL / not measured, block and block_w), the kernels one step runs at batch 8,
+# (PASS / FAIL / not measured, block and block_w, the paper's rule on the new kernels beside them as aligned_w),
+# the kernels one step runs at batch 8,
 # 32K, and each method's host work per eager call at 4K batch 1 with the block rule's call profiled by Python
 # function (scripts/bench_kernels.py); the same at 4K and 32K as CUDA-graph replays (device time, no host work);
 # and whole decode steps on a random-weight Llama-2-7B layout at 4K and 32K,
@@ -111,12 +112,12 @@ fi
 # layout (each cache vs DynamicCache, the torch path beside the CuPy kernels), then AQUA-KV's on a
 # Llama-3.1-8B layout (8 KV heads: 1024-channel predictors; Llama-2-7B's 4096 would be 6 GB of weights).
 timeout 90 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,8192,16384,32768 --batches 1,8 \
-  --methods sdpa,aligned,block,control,block_w,control_w --repeats 10 --max-seconds 60 --profile llama2_7b:8:32768 \
+  --methods sdpa,aligned,block,control,block_w,control_w,aligned_w --repeats 10 --max-seconds 60 --profile llama2_7b:8:32768 \
   --host llama2_7b:1:4096 --out "$OUT_DIR/bench.md" 2>&1 \
   | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
 timeout 30 "$PY" scripts/bench_kernels.py --shapes llama2_7b --contexts 4096,32768 --batches 1,8 \
-  --methods sdpa,block,control,block_w,control_w --repeats 10 --max-seconds 20 --graph --out "$OUT_DIR/graph.md" 2>&1 \
+  --methods sdpa,block,control,block_w,control_w,aligned_w --repeats 10 --max-seconds 20 --graph --out "$OUT_DIR/graph.md" 2>&1 \
   | tee "$OUT_DIR/graph.log"
 graph_status=${PIPESTATUS[0]}
 timeout 100 "$PY" scripts/bench_step.py --layout llama2_7b --contexts 4096,32768 --repeats 5 --max-seconds 70 \
