@@ -16,7 +16,8 @@ _COPIES: dict[tuple[int, torch.device, torch.dtype], tuple[weakref.ref, torch.Te
 
 def on_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` on ``device`` (as ``dtype``, default its own): ``t`` itself where it is already there, else a copy
-    made once per tensor, device and dtype and dropped when ``t`` is."""
+    made once per tensor, device and dtype and dropped when ``t`` is. For tensors never written after they are
+    made (a copy does not follow later changes)."""
     device, dtype = torch.device(device), dtype or t.dtype
     if t.device == device and t.dtype == dtype:
         return t
