@@ -239,6 +239,19 @@ def reconstruct(
 
 
 _QUANTS: dict[tuple[int, int, int], Any] = {}
+_CHECKED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+
+
+def check_presets(quant: Any, grid: torch.Tensor, signs: torch.Tensor) -> None:
+    """Refuse a grid or signs other than ``quant``'s (HIGGS's presets), compared once per pair of tensors: a layer
+    hands the same ones at every step."""
+    key = (id(grid), id(signs))
+    held = _CHECKED.get(key)
+    if held is not None and held[0]() is grid and held[1]() is signs:
+        return
+    if not torch.equal(quant.grid, grid) or not torch.equal(quant.signs, signs):
+        raise ValueError("kernels_cupy: AQUA-KV codes of another grid or sign seed than HIGGS's presets")
+    _CHECKED[key] = (weakref.ref(grid), weakref.ref(signs))
 
 
 def encode(
@@ -265,8 +278,7 @@ def encode(
     if key not in _QUANTS:
         _QUANTS[key] = Higgs(channels, BITS_OF_CODE[code_bits], group)
     quant = _QUANTS[key]
-    if not torch.equal(quant.grid, grid) or not torch.equal(quant.signs, signs):
-        raise ValueError("kernels_cupy: AQUA-KV codes of another grid or sign seed than HIGGS's presets")
+    check_presets(quant, grid, signs)
     pk, pv = pred_on_device(pred_k, k.device), pred_on_device(pred_v, k.device)
-    qk, _, qv, _ = encode_pair(quant, pk, pv, k, v, prev_k, prev_v)
+    qk, _, qv, _ = encode_pair(quant, pk, pv, k, v, prev_k, prev_v, reconstruct=False)
     return qk, qv

@@ -190,9 +190,10 @@ def check_state(state: Any, d: int) -> None:
             raise ValueError(f"kernels_cupy: {name} codes of another layout ({q.bits} bits, axis {q.axis})")
 
 
-def check_cuda(query: torch.Tensor) -> None:
+def check_cuda(query: torch.Tensor, what: str = "codes") -> None:
+    """One line where a query is not on a GPU: the ``what`` kernels read device memory only."""
     if not query.is_cuda:
-        raise ValueError(f"kernels_cupy: the codes kernels need CUDA tensors, got the query on {query.device}")
+        raise ValueError(f"kernels_cupy: the {what} kernels need CUDA tensors, got the query on {query.device}")
 
 
 def raw(t: torch.Tensor | None) -> np.uint64:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels_cupy.codes import kernel_arg, mask_view
+from kernels_cupy.codes import check_cuda, kernel_arg, mask_view
 from kernels_cupy.codes import limits as code_limits
 from kernels_cupy.loader import i32, launch, ptr, sm_count
 from kvquant.formats.base import Reads
@@ -419,8 +419,7 @@ def launched(state: Any, query: torch.Tensor, mask: torch.Tensor | None, scaling
         from kvquant.formats.higgs import attend
 
         return attend(state, None, query, mask, scaling)[0], Reads()
-    if not query.is_cuda:
-        raise ValueError(f"kernels_cupy: the {what} kernel needs CUDA tensors, got the query on {query.device}")
+    check_cuda(query, what)
     if state.n_sinks + state.n_codes + state.n_recent == 0:
         return query.new_zeros(query.shape), Reads()
     steps, out, _held = launches(state, query, mask, scaling, sm_count(query.device.index or 0))

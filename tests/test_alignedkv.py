@@ -607,7 +607,7 @@ def test_head_width_counts_on_a_device_never_wait_for_it(blockwise):
     g = torch.Generator().manual_seed(7)
     wk = widths[torch.randint(0, 3, (2, 3, 5, 16) if blockwise else (2, 3, 16), generator=g)]
     wv = widths[torch.randint(0, 3, (2, 3, 5 * 64), generator=g)]
-    with OpCounter() as counter:
+    with OpCounter(cpu_as_gpu=True) as counter:
         on_device = head_width_counts(wk, wv, 70, 5 * 64, in_numpy=False)
     assert counter.total > 0 and not counter.syncs, counter.syncs
     for got, want in zip(on_device, head_width_counts(wk, wv, 70, 5 * 64, in_numpy=True), strict=True):

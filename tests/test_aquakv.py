@@ -163,6 +163,29 @@ def test_cache_reconstruction_is_the_calibration_rule_in_chunks(stories, calibra
         prev_k, prev_v = rk, rv
 
 
+@pytest.mark.parametrize("predict", ["kv", "v", "none"])
+def test_the_cache_codes_without_decoding_what_no_predictor_reads(predict):
+    """``encode_pair(reconstruct=False)`` (the cache keeps codes only): the same codes, no reconstructions, and of
+    the keys' decoding only what a value predictor reads — each decoding is some twenty operators a layer and step
+    on a GPU, none of which a HIGGS cache (no predictors) needs."""
+    from kvquant.analysis.timing import OpCounter
+    from kvquant.quant.higgs import Higgs
+
+    g = torch.Generator().manual_seed(3)
+    quant, c = Higgs(32, bits=2, group=32), 32
+    pred_k = (torch.randn(c, c, generator=g) * 0.1, torch.randn(c, generator=g)) if predict == "kv" else None
+    pred_v = (torch.randn(2 * c, c, generator=g) * 0.1, torch.randn(c, generator=g)) if predict != "none" else None
+    k, v, prev_k, prev_v = (torch.randn(1, 5, c, generator=g) for _ in range(4))
+    full = encode_pair(quant, pred_k, pred_v, k, v, prev_k, prev_v)
+    with OpCounter() as counted:
+        lean = encode_pair(quant, pred_k, pred_v, k, v, prev_k, prev_v, reconstruct=False)
+    assert lean[1] is None and lean[3] is None
+    for got, want in ((lean[0], full[0]), (lean[2], full[2])):
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+    decodings = counted.counts["embedding"]  # one gather of the grid per decoding
+    assert decodings == (1 if pred_v is not None else 0)
+
+
 def test_returned_keys_are_rotated_back_correctly(stories):
     """Sinks and window come back as handed in; quantized keys with 4-bit error, not a RoPE mismatch."""
     model, tok = stories

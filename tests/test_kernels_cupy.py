@@ -633,8 +633,13 @@ def test_a_decode_step_hands_each_kernel_what_the_one_before_wrote(
 
 #: torch operators a decode step on the CuPy kernels may add to a layer beyond DynamicCache's (its two ``cat`` and
 #: SDPA): the range checks, the query's and output's casts, the kernels' buffers, the width counts (AlignedKV, 31
-#: with ``bincount``), the coding of the value leaving KIVI's window (``kvquant.quant.integer.quantize``); 2 spare
-EXTRA_OPS_A_LAYER = {"alignedkv": 19, "alignedkv_block": 19, "alignedkv_plus_block": 25, "kivi2": 40, "gear2": 12}
+#: with ``bincount``), the coding of the value leaving KIVI's window (``kvquant.quant.integer.quantize``), HIGGS's
+#: coding of each new token in torch (``Higgs.quantize``; 28 more with the decodings nothing read); 2 spare, 8 for
+#: HIGGS's longer chain
+EXTRA_OPS_A_LAYER = {
+    "alignedkv": 19, "alignedkv_block": 19, "alignedkv_plus_block": 25, "kivi2": 40, "gear2": 12, "higgs": 105,
+    "higgs_post_rope": 96,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(EXTRA_OPS_A_LAYER))
@@ -650,8 +655,8 @@ def test_a_decode_step_on_the_cupy_kernels_never_waits_for_the_gpu(name, monkeyp
 
     from transformers import DynamicCache
 
+    from kernels_cupy import aquakv, codes, higgs, ops, store
     from kernels_cupy import backend as cupy_backend
-    from kernels_cupy import codes, ops, store
     from kvquant.analysis.timing import OpCounter, layout_model, synthetic_kv
     from kvquant.backends import get_backend
     from kvquant.methods import alignedkv, base, get_method
@@ -659,19 +664,21 @@ def test_a_decode_step_on_the_cupy_kernels_never_waits_for_the_gpu(name, monkeyp
     def dry(*args, **kwargs):
         return None
 
-    for module in (ops, codes, store):
+    for module in (ops, codes, store, higgs, aquakv):
         monkeypatch.setattr(module, "launch", dry)
     for module, names in (
         (ops, ("ptr", "check_device")),
         (codes, ("ptr", "raw", "check_cuda")),
         (store, ("check_device",)),
+        (higgs, ("ptr", "check_cuda")),
     ):
         for attr in names:
             fake = (lambda t: np.uint64(0 if t is None else t.data_ptr())) if attr in ("ptr", "raw") else dry
             monkeypatch.setattr(module, attr, fake)
     monkeypatch.setattr(cupy_backend, "check_device", dry)
     monkeypatch.setattr(ops, "sm_count", lambda index: 132)
-    monkeypatch.setattr(codes, "sm_count", lambda index: 132)
+    for module in (codes, higgs):
+        monkeypatch.setattr(module, "sm_count", lambda index: 132)
     monkeypatch.setattr(ops, "shared_memory_budget", lambda index: SM90)
     monkeypatch.setattr(
         ops,
@@ -707,7 +714,7 @@ def test_a_decode_step_on_the_cupy_kernels_never_waits_for_the_gpu(name, monkeyp
             layer.finite.deferred = True
             layer.update(k.half(), v.half())
         for step in range(2):
-            with torch.no_grad(), OpCounter() as counter:
+            with torch.no_grad(), OpCounter(cpu_as_gpu=True) as counter:
                 position = torch.tensor([[300 + step]])
                 model(input_ids=torch.tensor([[5]]), past_key_values=cache, position_ids=position, use_cache=True)
         assert counter.total > 0 and not counter.syncs, counter.syncs

@@ -99,7 +99,8 @@ class StepTime:
     ops_per_layer: float | None = None
     launches_per_layer: float | None = None  # a kernel backend's own launches, where it counts them (CuPy)
     profile: str | None = None  # one more step under torch.profiler (``model_step_time(profile=True)``)
-    syncs_per_layer: float | None = None  # of ``ops_per_layer``, those that wait for a GPU (``syncs_host``)
+    syncs_per_layer: float | None = None  # of ``ops_per_layer``, those that wait for a GPU (``syncs_host``; on a
+    # CPU, those that would with the step's tensors on one)
 
 
 #: operators whose CUDA implementation reads the device's values back before it returns (a host sync): ``item``,
@@ -122,22 +123,24 @@ SYNCING_OPS = frozenset(
 )
 
 
-def syncs_host(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether dispatching ``func`` on CUDA tensors would wait for the device: ``SYNCING_OPS``, indexing by a
-    boolean mask (a ``nonzero`` inside), ``repeat_interleave`` by a tensor of repeats without ``output_size``,
-    a copy from a CUDA tensor to the host, and one from the host to a GPU unless ``non_blocking`` (torch
-    synchronises the stream after it). Read off the arguments, so a CPU run names what a GPU run would wait on
-    (the copies excepted: a CPU run makes none)."""
+def syncs_host(func: Any, args: tuple, kwargs: dict, cpu_as_gpu: bool = False) -> bool:
+    """Whether dispatching ``func`` makes the host wait for a GPU: ``SYNCING_OPS``, indexing by a boolean mask (a
+    ``nonzero`` inside) and ``repeat_interleave`` by a tensor of repeats without ``output_size``, on CUDA
+    tensors; a copy from a CUDA tensor to the host, and one from the host to a GPU unless ``non_blocking`` (torch
+    synchronises the stream after it). ``cpu_as_gpu``: CPU operands count as a GPU's, so a run on the CPU names
+    what the same code would wait on with its tensors on a GPU (an upper bound: tensors a method keeps on the CPU
+    count too; the copies, which a CPU run makes none of, cannot be seen)."""
     name = func.overloadpacket.__name__
+    tensors = [x for x in (*args, *(args[1] if name == "index" else ())) if isinstance(x, torch.Tensor)]
+    on_gpu = cpu_as_gpu or any(t.is_cuda for t in tensors)
     if name in SYNCING_OPS:
-        return True
+        return on_gpu
     if name == "index":
-        return any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None
-        )
+        masks = (torch.bool, torch.uint8)
+        return on_gpu and any(isinstance(i, torch.Tensor) and i.dtype in masks for i in args[1] if i is not None)
     if name == "repeat_interleave":
         repeats = args[1] if len(args) > 1 else args[0]
-        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+        return on_gpu and isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
     if name in ("_to_copy", "copy_"):  # across the host/device boundary: torch waits unless non_blocking
         if name == "_to_copy":
             src, dst, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
@@ -163,8 +166,9 @@ class OpCounter(TorchDispatchMode):
     dispatches more. A kernel backend's own launches (CuPy, C++) are not torch operators and are not counted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_as_gpu: bool = False) -> None:
         super().__init__()
+        self.cpu_as_gpu = cpu_as_gpu  # ``syncs_host``'s: count a CPU run's syncs as if its tensors were on a GPU
         self.counts: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
 
@@ -172,7 +176,7 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
             self.counts[func.overloadpacket.__name__] += 1
-            if syncs_host(func, args, kwargs):
+            if syncs_host(func, args, kwargs, self.cpu_as_gpu):
                 self.syncs[func.overloadpacket.__name__] += 1
         return func(*args, **kwargs)
 
@@ -382,7 +386,7 @@ def model_step_time(
         count = launch_counter(backend)
         position = torch.full((batch, 1), fill + warmup + repeats, device=device)
         launched = count() if count else 0
-        with OpCounter() as counter:  # one more step, untimed: what it dispatched
+        with OpCounter(cpu_as_gpu=device == "cpu") as counter:  # one more step, untimed: what it dispatched
             model(input_ids=ids[-1], past_key_values=cache, position_ids=position, use_cache=True)
         _sync(device)
         table = None

@@ -273,7 +273,7 @@ class AquaKVLayer(KVLayer):
                 pred_k=self.pred_k, pred_v=self.pred_v, prev_k=prev_k, prev_v=prev_v,
             )  # fmt: skip
         else:
-            qk, _, qv, _ = encode_pair(self.quant, self.pred_k, self.pred_v, k, v, prev_k, prev_v)
+            qk, _, qv, _ = encode_pair(self.quant, self.pred_k, self.pred_v, k, v, prev_k, prev_v, reconstruct=False)
         self.state.add_codes(qk, qv, start)
         self.n_quant += m
 

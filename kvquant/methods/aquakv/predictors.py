@@ -250,18 +250,21 @@ def encode_pair(
     v: torch.Tensor,
     prev_k: torch.Tensor | None,
     prev_v: torch.Tensor | None,
-) -> tuple[HiggsTensor, torch.Tensor, HiggsTensor, torch.Tensor]:
+    reconstruct: bool = True,
+) -> tuple[HiggsTensor, torch.Tensor | None, HiggsTensor, torch.Tensor | None]:
     """Codes and reconstructions of ``k``/``v`` rows: ``Q(x − pred)`` and ``pred + deQ(Q(x − pred))``.
 
-    One rule for the cache and for calibration; the value predictor reads the reconstructed keys.
+    One rule for the cache and for calibration; the value predictor reads the reconstructed keys. Without
+    ``reconstruct`` (the cache, which keeps codes) the reconstructions come back None and the keys' is made only
+    for a value predictor to read: each is a decoding, some twenty operators a layer and step on a GPU.
     """
     pk = apply_predictor(pred_k, prev_k) if pred_k is not None else None
     qk = quant.quantize(k - pk if pk is not None else k)
-    rk = quant.dequantize(qk) + (pk if pk is not None else 0)
+    rk = quant.dequantize(qk) + (pk if pk is not None else 0) if reconstruct or pred_v is not None else None
     pv = apply_predictor(pred_v, torch.cat([rk, prev_v], dim=-1)) if pred_v is not None else None
     qv = quant.quantize(v - pv if pv is not None else v)
-    rv = quant.dequantize(qv) + (pv if pv is not None else 0)
-    return qk, rk, qv, rv
+    rv = quant.dequantize(qv) + (pv if pv is not None else 0) if reconstruct else None
+    return qk, rk if reconstruct else None, qv, rv
 
 
 def dequantize_pair(
