@@ -31,6 +31,8 @@ def grid_key(d: int, n: int) -> str:
 def nearest(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     """Index of the nearest grid point for each row of ``x`` (``[N, d]``), in blocks to bound memory."""
     half_sq = 0.5 * (grid * grid).sum(-1)
+    if x.shape[0] <= SEARCH_BLOCK:  # one block (a decode step's rows): no buffer to copy it into
+        return (x @ grid.T - half_sq).argmax(-1)
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     for start in range(0, x.shape[0], SEARCH_BLOCK):
         block = x[start : start + SEARCH_BLOCK]

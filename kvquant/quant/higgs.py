@@ -105,9 +105,12 @@ class Higgs:
         return (8 * bitpack.packed_size(self.n_codes, self.code_bits) + 16 * self.n_groups) / self.channels
 
     def _groups(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.pad(x, (0, self.n_groups * self.group - self.channels))
+        """``[..., channels]`` → ``[..., n_groups, padded_group]``, zero-padded (no copy where nothing pads: each
+        pad is a launch on a GPU at every coding)."""
+        if self.n_groups * self.group != self.channels:
+            x = F.pad(x, (0, self.n_groups * self.group - self.channels))
         x = x.reshape(*x.shape[:-1], self.n_groups, self.group)
-        return F.pad(x, (0, self.padded_group - self.group))
+        return F.pad(x, (0, self.padded_group - self.group)) if self.padded_group != self.group else x
 
     def quantize(self, x: torch.Tensor) -> HiggsTensor:
         """Quantize ``x`` (``[..., channels]``, any float dtype) row by row."""
