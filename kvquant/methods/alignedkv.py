@@ -40,8 +40,8 @@ def head_width_counts(
     each of ``WIDTHS``: int64 ``[H, 3]`` each, on ``wk``'s device. ``wk``: ``[B, H, D]`` per column or
     ``[B, H, nb, D]`` per (block, column); ``wv``: ``[B, H, n]``. Counted in numpy where both are CPU tensors
     (``in_numpy`` None; the same integers with less overhead per op than torch's small ops, and a decode step
-    counts every layer), else in torch ops on their device that never wait for it (``scatter_add_`` into a fixed
-    ``[H, 3]``: CUDA's ``bincount`` reads its input's min and max back to the host, two syncs a call)."""
+    counts every layer), else in torch ops on their device that never wait for it (``_head_width_counts_on_device``:
+    CUDA's ``bincount`` reads its input's min and max back to the host, two syncs a call)."""
     n = len(WIDTHS)
     h = wk.shape[1]
     cpu = in_numpy if in_numpy is not None else wk.device.type == "cpu" and wv.device.type == "cpu"
