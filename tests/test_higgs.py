@@ -65,3 +65,21 @@ def test_bad_parameters_refused():
         Higgs(64, 5)
     with pytest.raises(ValueError, match="expected 64 channels"):
         Higgs(64, 2).quantize(torch.zeros(1, 32))
+
+
+def test_a_decode_steps_coding_is_27_operators_and_pads_only_what_it_must():
+    """A cache codes each new token with ``quantize`` every layer and step, and on a GPU each torch operator is a
+    launch: an unpadded group dispatches no pad (no copy of nothing) and a one-block nearest-point search no buffer
+    to copy into — 27 operators where there were 31 — with the codes a padded group gets as before."""
+    from kvquant.analysis.timing import OpCounter
+
+    x, y = torch.randn(1, 3, 1, 192), torch.randn(1, 3, 1, 200)
+    plain, padded = Higgs(192, 2), Higgs(200, 2, group=100)  # 192 has a transform; 100 pads to 104
+    plain.quantize(x), padded.quantize(y)  # the first codings place the tables
+    with OpCounter() as counted:
+        codes = plain.quantize(x)
+    assert counted.total == 27 and "constant_pad_nd" not in counted.counts and "empty" not in counted.counts
+    assert torch.equal(plain.dequantize(codes), plain.roundtrip(x))
+    with OpCounter() as padding:
+        padded.quantize(y)
+    assert padding.counts["constant_pad_nd"] == 1  # 100 → 104 within each group; 2 × 100 channels fill the groups
