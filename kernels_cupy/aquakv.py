@@ -45,6 +45,7 @@ from kernels_cupy.higgs import (
 )
 from kernels_cupy.loader import check_device, i32, launch, ptr
 from kvquant.formats.base import Reads
+from kvquant.quant.device import on_device as placed
 
 Pred = tuple[torch.Tensor, torch.Tensor] | None
 #: HIGGS bits a value of each code width (a grid of 2 coordinates and 2^code_bits points)
@@ -99,20 +100,11 @@ def attend_aquakv(
 
 # ---------------------------------------------------------------- the reconstruction (``higgs_decode`` + cuBLAS)
 
-_COPIES: dict[tuple[int, torch.device], tuple[weakref.ref, torch.Tensor]] = {}
-
 
 def on_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """``t`` as a contiguous fp32 tensor on ``device``, copied once per tensor (quantizer tables, predictor
-    weights: held by the method, read every step) and dropped with it."""
-    if t is None or (t.device == device and t.dtype == torch.float32 and t.is_contiguous()):
-        return t
-    key = (id(t), device)
-    got = _COPIES.get(key)
-    if got is None or got[0]() is not t:
-        ref = weakref.ref(t, lambda _, key=key: _COPIES.pop(key, None))
-        got = _COPIES[key] = (ref, kernel_arg(t.to(device, torch.float32)))
-    return got[1]
+    weights: held by the method, read every step; ``kvquant.quant.device.on_device``) and dropped with it."""
+    return None if t is None else kernel_arg(placed(t, device, torch.float32))
 
 
 def pred_on_device(pred: Pred, device: torch.device) -> Pred:

@@ -18,9 +18,8 @@ calls (host work included: what a Python loop pays) or, with ``--graph``, of CUD
   per 32 tokens from the exponent bytes kept at append).
 - ``control``: the same kernels reading every plane, no rule (``full=True``).
 - ``block_w`` / ``control_w`` / ``aligned_w``: ``block`` / ``control`` / ``aligned`` with the warp QK kernel
-  (``qk_kernel="warp"``: each
-  warp reads whole blocks straight from the planes into registers; the others use the tile kernel) and SV's
-  byte-permute reads (``sv_read="permute"``).
+  (``qk_kernel="warp"``: each warp reads whole blocks straight from the planes into registers; the others use the
+  tile kernel) and SV's byte-permute reads (``sv_read="permute"``).
 
 Bytes: ``KV MB`` counts what the kernels load from the planes at the widths they chose, plus the
 fp16 tail and metadata; ``all MB`` adds the fp32 score traffic (logits, softmax, top-k, SV). GB/s

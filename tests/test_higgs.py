@@ -80,6 +80,9 @@ def test_a_decode_steps_coding_is_27_operators_and_pads_only_what_it_must():
         codes = plain.quantize(x)
     assert counted.total == 27 and "constant_pad_nd" not in counted.counts and "empty" not in counted.counts
     assert torch.equal(plain.dequantize(codes), plain.roundtrip(x))
+    with OpCounter() as decoding:  # what a cache that decodes nothing it reads no longer pays twice a layer and step
+        plain.dequantize(codes)
+    assert decoding.total == 13
     with OpCounter() as padding:
         padded.quantize(y)
     assert padding.counts["constant_pad_nd"] == 1  # 100 → 104 within each group; 2 × 100 channels fill the groups

@@ -340,9 +340,12 @@ def test_tensors_are_copied_to_the_device_once():
     assert got.dtype == torch.float32 and aquakv.on_device(w, torch.device("cpu")) is got
     plain = torch.randn(3)
     assert aquakv.on_device(plain, torch.device("cpu")) is plain and aquakv.on_device(None, plain.device) is None
-    key = (id(w), torch.device("cpu"))
+    from kvquant.quant import device
+
+    key = (id(w), torch.device("cpu"), torch.float32)
+    assert key in device._COPIES  # the copy kvquant.quant.device keeps for every caller
     del w
-    assert key not in aquakv._COPIES  # dropped with the tensor it copies
+    assert key not in device._COPIES  # dropped with the tensor it copies
 
 
 @pytest.mark.parametrize("shape", [(32, 2, 32), (192, 2, 1024), (100, 4, 1024), (128, 3, 48), (40, 3, 40)])

@@ -15,7 +15,6 @@ drops every 64-token block that has fallen wholly out of it (up to 63 older toke
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,6 +30,7 @@ from kvquant.errors import InvalidParameterError
 from kvquant.formats.base import Reads
 from kvquant.formats.planes import BLOCK, WIDTHS, AlignedRule, PlaneStore, aligned_read, decide_widths, scores
 from kvquant.methods.base import KVMethod, register_method
+from kvquant.quant.device import on_device
 
 
 def head_width_counts(
@@ -62,13 +62,16 @@ def head_width_counts(
     return per_k.view(h, n), per_v.view(h, n)
 
 
+_WIDTHS = torch.tensor(WIDTHS, dtype=torch.int32)  # placed on a device once (on_device)
+
+
 def _head_width_counts_on_device(
     wk: torch.Tensor, wv: torch.Tensor, first: int, n_full: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``head_width_counts`` in torch ops with no host sync, few of them (each is a launch on a GPU, every layer
     and step): each element compared with the three widths at once and the matches summed per head; keys per
     block weighted by the block's tokens in the window."""
-    widths = _widths_on(wk.device)
+    widths = on_device(_WIDTHS, wk.device)
     if wk.ndim == 4:
         start = torch.arange(wk.shape[2], device=wk.device) * BLOCK
         inside = (start + BLOCK - start.clamp(min=first)).clamp(0, BLOCK)
@@ -76,12 +79,6 @@ def _head_width_counts_on_device(
     else:
         per_k = (wk.unsqueeze(-1) == widths).sum(dim=(0, 2)) * max(0, n_full - first)
     return per_k, (wv.unsqueeze(-1) == widths).sum(dim=(0, 2))
-
-
-@functools.cache
-def _widths_on(device: torch.device) -> torch.Tensor:
-    """``WIDTHS`` as an int32 tensor on ``device``, made once (a copy to a GPU each step would be a launch)."""
-    return torch.tensor(WIDTHS, dtype=torch.int32, device=device)
 
 
 class AlignedLayer(KVLayer):
