@@ -185,13 +185,17 @@ inline void value_rows_at(int width, const PlaneArgs& s, int64_t b, int64_t h, i
 // channel: the widths of a head vary from channel to channel in no pattern a predictor learns.
 struct KeyChannels {
   const uint8_t* widths = nullptr;  // the widths row these lists were made from
+  int64_t stride = 0;               // its channel stride (0: one width for every channel)
   int32_t list[3][DMAX + 16];       // + 16: build's vector stores run past a list's end
   int count[3] = {0, 0, 0};
+  // More than one width among the channels (AVX2's block_scores then reads them in channel order).
+  bool mixed(int D) const { return count[0] != D && count[1] != D && count[2] != D; }
+  int width(int c) const { return widths[c * stride]; }
   // Per-column widths build once a head; AlignedKV+'s per-block widths once a block, where a scalar loop
   // (a store-to-load chain through count[k]) slowed its key pass visibly: 16 channels a vector.
   void build(const uint8_t* w, int64_t wc, int D) {
     if (w == widths) return;  // per-column widths: one row for every block of the head
-    widths = w;
+    widths = w, stride = wc;
     count[0] = count[1] = count[2] = 0;
     int c = 0;
 #if KVQ_AVX512
@@ -469,7 +473,11 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
 // for 1 and 3 rows they fit beside 32- and 16-token reads (one row's in memory measured ~5% slower). 4 rows
 // are not chunked: with totals in memory their attention at 8 bits took ~25% longer, only the key pass
 // differing (A/B of two builds in one process, 32q/8kv x 128, 16K). Prefetch in the first slice, as
-// AVX-512's read does.
+// AVX-512's read does. Channels of mixed widths are read in channel order with a branch on each one's width
+// (the same sequence every block of a head, well predicted): in the width lists' order the block's planes were
+// swept three times with gaps, and at the paper rule's widths the key pass took ~15-30% longer than at the same
+// widths sorted by channel (Zen 3; `scripts/ab_kernels_cpu.py --cases kr8`: 0.87-1.00x the lists' time).
+// AVX-512's block_scores still reads by the lists (unmeasured there).
 template <int NR, bool TINY>
 void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
                   float* d) {
@@ -497,25 +505,39 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
           acc[r][u] = zero();
         }
     };
-    auto group = [&]<int WB>() {
-      const int k = (WB - 8) / 4, n = ch.count[k];
-      for (int i = 0; i < n; ++i) {
-        const int c = ch.list[k][i];
-        if (o == 0) planes.prefetch<WB>(c);
-        vf x[V];
-        planes.part<WB, TINY, TOK>(c, o, x);
-        for (int r = 0; r < NR; ++r) {
-          const vf qc = set1(q[r][c]);
-          for (int u = 0; u < V; ++u) acc[r][u] = fma(qc, x[u], acc[r][u]);
-        }
-        if constexpr (chunked)
-          if ((i + 1) % SCORE_CHUNK == 0) chunk_done();
+    auto channel = [&]<int WB>(int c, int i) {
+      if (o == 0) planes.prefetch<WB>(c);
+      vf x[V];
+      planes.part<WB, TINY, TOK>(c, o, x);
+      for (int r = 0; r < NR; ++r) {
+        const vf qc = set1(q[r][c]);
+        for (int u = 0; u < V; ++u) acc[r][u] = fma(qc, x[u], acc[r][u]);
+      }
+      if constexpr (chunked)
+        if ((i + 1) % SCORE_CHUNK == 0) chunk_done();
+    };
+    const int D = ch.count[0] + ch.count[1] + ch.count[2];
+    if (ch.mixed(D)) {
+      for (int c = 0; c < D; ++c) {
+        const int wb = ch.width(c);
+        if (wb == 8)
+          channel.template operator()<8>(c, c);
+        else if (wb == 12)
+          channel.template operator()<12>(c, c);
+        else
+          channel.template operator()<16>(c, c);
       }
       if constexpr (chunked) chunk_done();
-    };
-    group.template operator()<8>();
-    group.template operator()<12>();
-    group.template operator()<16>();
+    } else {
+      auto group = [&]<int WB>() {
+        const int k = (WB - 8) / 4;
+        for (int i = 0; i < ch.count[k]; ++i) channel.template operator()<WB>(ch.list[k][i], i);
+        if constexpr (chunked) chunk_done();
+      };
+      group.template operator()<8>();
+      group.template operator()<12>();
+      group.template operator()<16>();
+    }
     if constexpr (!in_memory)
       for (int r = 0; r < NR; ++r)
         for (int u = 0; u < V; ++u) store(d + r * BT + o + u * W, chunked ? total[r][u] : acc[r][u], lanes(W));

@@ -11,7 +11,8 @@ Python wrappers call one or the other (``kernels_cpu.loader._module``): the two 
 
 For each shape and context, on the inputs of ``bench_kernels_cpu.py --planes``: fused fp16 (``fp16``), AlignedKV's
 planes read whole at 8 and 16 bits (``u8``, ``u16``), the paper's step (``st1``), the block rule's (``bk32``) and
-AlignedKV+'s with it (``pb8``); with ``--cases``, also the planes read whole at 12 bits (``u12``) and KIVI's and
+AlignedKV+'s with it (``pb8``); with ``--cases``, also the planes read whole at 12 bits (``u12``), the keys at the
+paper rule's per-channel widths with the values at 8 bits (``kr8``: mostly the key pass at mixed widths) and KIVI's and
 GEAR's stores of ``bench_kernels_cpu.py`` (``kivi2``, ``kivi4``, ``gear2``, ``gear4``: random codes of the same
 shape). Columns: ``A ms`` and ``B ms`` (medians, caches flushed before each call as in ``bench_kernels_cpu.py``),
 ``B/A``, and ``outputs``: ``same`` where every tensor a call returns (attention outputs, widths) is bit for bit
@@ -47,7 +48,7 @@ import kernels_cpu  # noqa: E402
 from kernels_cpu import loader  # noqa: E402
 
 PLANES = ("fp16", "u8", "u16", "st1", "bk32", "pb8")
-CASES = PLANES + ("u12", "kivi2", "kivi4", "gear2", "gear4")
+CASES = PLANES + ("u12", "kr8", "kivi2", "kivi4", "gear2", "gear4")
 # Run in a child whose kernels_cpu is A's: builds it (or finds it built) and prints its .so's path.
 BUILD = """
 import kernels_cpu.loader as L
@@ -107,8 +108,9 @@ def cases(hq: int, hkv: int, d: int, length: int, names: tuple[str, ...] = PLANE
         "u12": lambda: kernels_cpu.attend_planes(q, store, k_widths=12, v_widths=12),
         "u16": lambda: kernels_cpu.attend_planes(q, store, k_widths=16, v_widths=16),
     }
-    if "st1" in names:
+    if {"kr8", "st1"} & set(names):
         wk1, _ = bench.rule_widths(q, store, 1)
+        fns["kr8"] = lambda: kernels_cpu.attend_planes(q, store, k_widths=wk1, v_widths=8)
         fns["st1"] = lambda: kernels_cpu.attend_aligned(
             q, store, k_widths=wk1, v8=bench.v8_magnitudes(), v_thresholds=(4, 8), topk=32, v_block=1
         )
