@@ -182,7 +182,8 @@ inline void value_rows_at(int width, const PlaneArgs& s, int64_t b, int64_t h, i
 }
 
 // A key block's channels grouped by width (8, 12, 16), so each group is read without a branch per
-// channel: the widths of a head vary from channel to channel in no pattern a predictor learns.
+// channel (AVX-512's block readers, the 16-token path, and AVX2's block_scores where every channel has one
+// width; with mixed widths AVX2 reads in channel order, block_scores says why).
 struct KeyChannels {
   const uint8_t* widths = nullptr;  // the widths row these lists were made from
   int64_t stride = 0;               // its channel stride (0: one width for every channel)
@@ -474,7 +475,7 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
 // are not chunked: with totals in memory their attention at 8 bits took ~25% longer, only the key pass
 // differing (A/B of two builds in one process, 32q/8kv x 128, 16K). Prefetch in the first slice, as
 // AVX-512's read does. Channels of mixed widths are read in channel order with a branch on each one's width
-// (the same sequence every block of a head, well predicted): in the width lists' order the block's planes were
+// (the same sequence every block of a head): in the width lists' order the block's planes were
 // swept three times with gaps, and at the paper rule's widths the key pass took ~15-30% longer than at the same
 // widths sorted by channel (Zen 3; `scripts/ab_kernels_cpu.py --cases kr8`: 0.87-1.00x the lists' time).
 // AVX-512's block_scores still reads by the lists (unmeasured there).
