@@ -187,18 +187,34 @@ inline void value_rows_at(int width, const PlaneArgs& s, int64_t b, int64_t h, i
 struct KeyChannels {
   const uint8_t* widths = nullptr;  // the widths row these lists were made from
   int64_t stride = 0;               // its channel stride (0: one width for every channel)
+  bool listed = false;              // whether the lists were made (else only the counts)
   int32_t list[3][DMAX + 16];       // + 16: build's vector stores run past a list's end
   int count[3] = {0, 0, 0};
   // More than one width among the channels (AVX2's block_scores then reads them in channel order).
   bool mixed(int D) const { return count[0] != D && count[1] != D && count[2] != D; }
   int width(int c) const { return widths[c * stride]; }
   // Per-column widths build once a head; AlignedKV+'s per-block widths once a block, where a scalar loop
-  // (a store-to-load chain through count[k]) slowed its key pass visibly: 16 channels a vector.
-  void build(const uint8_t* w, int64_t wc, int D) {
-    if (w == widths) return;  // per-column widths: one row for every block of the head
-    widths = w, stride = wc;
+  // (a store-to-load chain through count[k]) slowed its key pass visibly: 16 channels a vector. AVX2's
+  // block_scores needs only the counts (lists = false), 32 channels a compare: rebuilding the lists every
+  // block was a visible share of AlignedKV+'s key pass in a perf profile.
+  void build(const uint8_t* w, int64_t wc, int D, bool lists = true) {
+    if (w == widths && (listed || !lists)) return;  // per-column widths: one row for every block of the head
+    widths = w, stride = wc, listed = lists;
     count[0] = count[1] = count[2] = 0;
     int c = 0;
+#if KVQ_AVX2
+    if (!lists) {
+      if (wc == 1)
+        for (; c + 32 <= D; c += 32) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+          count[0] += __builtin_popcount(unsigned(_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, _mm256_set1_epi8(8)))));
+          count[1] += __builtin_popcount(unsigned(_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, _mm256_set1_epi8(12)))));
+        }
+      for (; c < D; ++c) count[(w[c * wc] - 8) / 4] += 1;
+      count[2] = D - count[0] - count[1];  // widths are 8, 12 or 16 (checked when the call was made)
+      return;
+    }
+#endif
 #if KVQ_AVX512
     if (wc == 1)
       for (; c + 16 <= D; c += 16) {
@@ -225,6 +241,9 @@ struct KeyChannels {
     count[0] = n0, count[1] = n1, count[2] = n2;
   }
 };
+
+// Whether block_scores reads the width lists (AVX-512) or only their counts (AVX2: channels in order).
+constexpr bool BLOCK_LISTS = KVQ_AVX512;
 
 template <int WB, bool TINY>
 inline void key_channels(const KeyChannels& ch, const uint8_t* a, const uint8_t* bp, const uint8_t* cp, int n,
@@ -529,15 +548,17 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
           channel.template operator()<16>(c, c);
       }
       if constexpr (chunked) chunk_done();
-    } else {
-      auto group = [&]<int WB>() {
-        const int k = (WB - 8) / 4;
-        for (int i = 0; i < ch.count[k]; ++i) channel.template operator()<WB>(ch.list[k][i], i);
-        if constexpr (chunked) chunk_done();
+    } else {  // one width: every channel in order
+      auto all = [&]<int WB>() {
+        for (int c = 0; c < D; ++c) channel.template operator()<WB>(c, c);
       };
-      group.template operator()<8>();
-      group.template operator()<12>();
-      group.template operator()<16>();
+      if (ch.count[0] == D)
+        all.template operator()<8>();
+      else if (ch.count[1] == D)
+        all.template operator()<12>();
+      else
+        all.template operator()<16>();
+      if constexpr (chunked) chunk_done();
     }
     if constexpr (!in_memory)
       for (int r = 0; r < NR; ++r)
@@ -620,7 +641,7 @@ struct PlanesFormat : NoTerms {
 #if KVQ_BLOCKS
     if (t0 < s.nb * KB && R.n <= 4) {
       if (t0 % KB == 0) {
-        st.channels.build(s.kw.at(b, h, t0 / KB), s.kw_c, D);
+        st.channels.build(s.kw.at(b, h, t0 / KB), s.kw_c, D, BLOCK_LISTS);
         by_row_count(R.n, [&]<int NR>() {
           if (s.tiny_k)
             block_scores<NR, true>(s, st.channels, b, h, t0 / KB, R.q, d);
@@ -1587,7 +1608,7 @@ bool rule_from_fp32(const PlanesFormat<NC>& f, const Problem& P, const AlignedRu
   for (int64_t t0 = 0; t0 < L;) {
 #if KVQ_BLOCKS
     if (t0 < nv && R <= 4) {  // a whole key block (t0 steps through them by KB), no buffer
-      st.channels.build(f.s.kw.at(b, h, t0 / KB), f.s.kw_c, D);
+      st.channels.build(f.s.kw.at(b, h, t0 / KB), f.s.kw_c, D, BLOCK_LISTS);
       by_row_count(int(R), [&]<int NR>() {
         if (f.s.tiny_k)
           block_scores<NR, true>(f.s, st.channels, b, h, t0 / KB, q.data(), dots);
