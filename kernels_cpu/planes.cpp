@@ -182,17 +182,14 @@ inline void value_rows_at(int width, const PlaneArgs& s, int64_t b, int64_t h, i
 }
 
 // A key block's channels grouped by width (8, 12, 16), so each group is read without a branch per
-// channel (AVX-512's block readers, the 16-token path, and AVX2's block_scores where every channel has one
-// width; with mixed widths AVX2 reads in channel order, block_scores says why).
+// channel (AVX-512's block readers, the 16-token path; AVX2's block_scores reads in channel order, it says why).
 struct KeyChannels {
   const uint8_t* widths = nullptr;  // the widths row these lists were made from
   int64_t stride = 0;               // its channel stride (0: one width for every channel)
   bool listed = false;              // whether the lists were made (else only the counts)
   int32_t list[3][DMAX + 16];       // + 16: build's vector stores run past a list's end
   int count[3] = {0, 0, 0};
-  // More than one width among the channels (AVX2's block_scores then reads them in channel order).
-  bool mixed(int D) const { return count[0] != D && count[1] != D && count[2] != D; }
-  int width(int c) const { return widths[c * stride]; }
+  int width(int c) const { return widths[c * stride]; }  // AVX2's block_scores reads the channels in order
   // Per-column widths build once a head; AlignedKV+'s per-block widths once a block, where a scalar loop
   // (a store-to-load chain through count[k]) slowed its key pass visibly: 16 channels a vector. AVX2's
   // block_scores needs only the counts (lists = false), 32 channels a compare: rebuilding the lists every
@@ -493,10 +490,10 @@ void value_rows64(const PlaneArgs& s, int64_t b, int64_t h, int64_t t0, int n, i
 // for 1 and 3 rows they fit beside 32- and 16-token reads (one row's in memory measured ~5% slower). 4 rows
 // are not chunked: with totals in memory their attention at 8 bits took ~25% longer, only the key pass
 // differing (A/B of two builds in one process, 32q/8kv x 128, 16K). Prefetch in the first slice, as
-// AVX-512's read does. Channels of mixed widths are read in channel order with a branch on each one's width
+// AVX-512's read does. The channels are read in channel order with a branch on each one's width
 // (the same sequence every block of a head): in the width lists' order the block's planes were
-// swept three times with gaps, and at the paper rule's widths the key pass took ~15-30% longer than at the same
-// widths sorted by channel (Zen 3; `scripts/ab_kernels_cpu.py --cases kr8`: 0.87-1.00x the lists' time).
+// swept three times with gaps (Zen 3, `scripts/ab_kernels_cpu.py --cases kr8`: the key pass in channel order
+// 0.87-1.00x the lists' time).
 // AVX-512's block_scores still reads by the lists (unmeasured there).
 template <int NR, bool TINY>
 void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t h, int64_t j, const float* const* q,
@@ -537,29 +534,16 @@ void block_scores(const PlaneArgs& s, const KeyChannels& ch, int64_t b, int64_t 
         if ((i + 1) % SCORE_CHUNK == 0) chunk_done();
     };
     const int D = ch.count[0] + ch.count[1] + ch.count[2];
-    if (ch.mixed(D)) {
-      for (int c = 0; c < D; ++c) {
-        const int wb = ch.width(c);
-        if (wb == 8)
-          channel.template operator()<8>(c, c);
-        else if (wb == 12)
-          channel.template operator()<12>(c, c);
-        else
-          channel.template operator()<16>(c, c);
-      }
-      if constexpr (chunked) chunk_done();
-    } else {  // one width: every channel in order
-      auto all = [&]<int WB>() {
-        for (int c = 0; c < D; ++c) channel.template operator()<WB>(c, c);
-      };
-      if (ch.count[0] == D)
-        all.template operator()<8>();
-      else if (ch.count[1] == D)
-        all.template operator()<12>();
+    for (int c = 0; c < D; ++c) {
+      const int wb = ch.width(c);
+      if (wb == 8)
+        channel.template operator()<8>(c, c);
+      else if (wb == 12)
+        channel.template operator()<12>(c, c);
       else
-        all.template operator()<16>();
-      if constexpr (chunked) chunk_done();
+        channel.template operator()<16>(c, c);
     }
+    if constexpr (chunked) chunk_done();
     if constexpr (!in_memory)
       for (int r = 0; r < NR; ++r)
         for (int u = 0; u < V; ++u) store(d + r * BT + o + u * W, chunked ? total[r][u] : acc[r][u], lanes(W));
